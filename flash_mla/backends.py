@@ -1,0 +1,78 @@
+"""Backend selection, in one place.
+
+Backends:
+  "cuda"   - the compiled extension (flash_mla._cuda): WGMMA kernels for Hopper (sm_90a).
+  "triton" - the portable Triton kernels (flash_mla.triton_backend): any CUDA GPU Triton supports.
+  "cpu"    - the split-KV algorithm in PyTorch on the CPU (flash_mla.cpu_backend): tests and debugging.
+
+Automatic choice by the device of q: CPU tensors -> "cpu"; CUDA tensors -> "cuda" on compute capability 9.0
+when the extension is built, else "triton". A backend can be forced with the `backend=` keyword or the
+FLASH_MLA_BACKEND environment variable (the keyword wins); forcing one that cannot run raises RuntimeError.
+"""
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+from typing import Optional
+
+import torch
+
+BACKENDS = ("cuda", "triton", "cpu")
+ENV_VAR = "FLASH_MLA_BACKEND"
+
+
+@functools.lru_cache(maxsize=None)
+def _import(module: str):
+    """(module, None) or (None, reason it failed to import)."""
+    try:
+        return importlib.import_module(module), None
+    except ImportError as e:  # not built / not installed
+        return None, str(e)
+
+
+def cuda_extension():
+    """The compiled extension module, or None when the package was installed without it."""
+    return _import("flash_mla._cuda")[0]
+
+
+def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
+    """Why `backend` cannot run on tensors of `device`, or None if it can."""
+    if backend == "cpu":
+        return None if device.type == "cpu" else f"the cpu backend needs CPU tensors, q is on {device}"
+    if device.type != "cuda":
+        return f"the {backend} backend needs CUDA tensors, q is on {device}"
+    if backend == "cuda":
+        ext, why = _import("flash_mla._cuda")
+        if ext is None:
+            return f"the CUDA extension flash_mla._cuda is not built ({why}); reinstall on a machine with nvcc"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) != (9, 0):
+            return f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+        return None
+    module, why = _import("flash_mla.triton_backend")
+    if module is None:
+        return f"the triton backend could not be imported ({why})"
+    return module.unavailable_reason(device)
+
+
+def select_backend(device: torch.device, requested: Optional[str] = None) -> str:
+    """Name of the backend that runs a call on `device` (see module docstring)."""
+    if requested is None:
+        requested = os.environ.get(ENV_VAR) or None
+    if requested is not None:
+        if requested not in BACKENDS:
+            raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), got {requested!r}")
+        reason = _unavailable_reason(requested, device)
+        if reason is not None:
+            raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
+        return requested
+    if device.type == "cpu":
+        return "cpu"
+    if device.type == "cuda":
+        for candidate in ("cuda", "triton"):
+            if _unavailable_reason(candidate, device) is None:
+                return candidate
+        raise RuntimeError(f"flash_mla: no backend can run on {device}: "
+                           f"cuda: {_unavailable_reason('cuda', device)}; triton: {_unavailable_reason('triton', device)}")
+    raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")

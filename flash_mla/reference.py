@@ -1,0 +1,64 @@
+"""Exact reference for MLA decoding over a paged KV cache: plain attention per sequence, in float32/64.
+
+Semantics (SPEC.md): query token i of a sequence of length L sees keys [0, L - s_q + i] when causal, all L
+keys otherwise; a row that sees no key gives out = 0 and lse = -inf. lse is the natural log of
+sum_j exp(scale * q . k_j). Slow and obvious on purpose: every backend is checked against it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+PAGE_BLOCK_SIZE = 64
+
+
+def gather_sequence_cache(k_cache: torch.Tensor, block_table: torch.Tensor, seq: int, length: int) -> torch.Tensor:
+    """The first `length` tokens of sequence `seq`, in order: (length, h_kv, d)."""
+    page = k_cache.shape[1]
+    num_pages = -(-length // page)
+    pages = block_table[seq, :num_pages].long()
+    return k_cache[pages].reshape(num_pages * page, *k_cache.shape[2:])[:length]
+
+
+def visible_keys(length: int, s_q: int, causal: bool) -> torch.Tensor:
+    """(s_q,) number of keys each query token sees (keys [0, n) are visible)."""
+    i = torch.arange(s_q)
+    if causal:
+        return (length - s_q + 1 + i).clamp(min=0)
+    return torch.full((s_q,), length)
+
+
+def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                         cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: Optional[float] = None,
+                         causal: bool = False, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. Returns out (b, s_q, h_q, head_dim_v) and lse (b, h_q, s_q), both in `dtype`."""
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    if softmax_scale is None:
+        softmax_scale = d ** -0.5
+    group = h_q // h_kv
+    out = torch.zeros(b, s_q, h_q, head_dim_v, dtype=dtype, device=q.device)
+    lse = torch.full((b, h_q, s_q), -math.inf, dtype=dtype, device=q.device)
+    seqlens = cache_seqlens.tolist()
+    for seq in range(b):
+        length = int(seqlens[seq])
+        if length == 0:
+            continue
+        kv = gather_sequence_cache(k_cache, block_table, seq, length).to(dtype)       # (L, h_kv, d)
+        n_visible = visible_keys(length, s_q, causal).to(q.device)
+        key_idx = torch.arange(length, device=q.device)
+        mask = key_idx[None, :] < n_visible[:, None]                                   # (s_q, L)
+        for kvh in range(h_kv):
+            qh = q[seq, :, kvh * group:(kvh + 1) * group].to(dtype)                   # (s_q, group, d)
+            k = kv[:, kvh]                                                              # (L, d)
+            scores = torch.einsum("sgd,ld->sgl", qh, k) * softmax_scale
+            scores = scores.masked_fill(~mask[:, None, :], -math.inf)
+            row_lse = torch.logsumexp(scores, dim=-1)                                   # (s_q, group)
+            seen = torch.isfinite(row_lse)
+            probs = torch.exp(scores - torch.where(seen, row_lse, 0.0)[..., None])
+            o = torch.einsum("sgl,lv->sgv", probs, k[:, :head_dim_v])
+            out[seq, :, kvh * group:(kvh + 1) * group] = torch.where(seen[..., None], o, 0.0)
+            lse[seq, kvh * group:(kvh + 1) * group] = row_lse.transpose(0, 1)
+    return out, lse

@@ -1,0 +1,104 @@
+"""Pure-Python twin of the on-device tile scheduler (``get_mla_metadata``).
+
+It applies the rules of SPEC.md ("Scheduler") with plain integers, so it is the executable definition the
+CUDA metadata kernel is checked against bit for bit, and the scheduler the CPU backend runs on.
+
+Work unit: one 64-token page ("block") of one sequence. Every piece of a sequence a part takes also costs
+``FIXED_OVERHEAD`` block-equivalents (reading Q, writing the output, combining).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Sequence, Tuple
+
+import torch
+
+PAGE_BLOCK_SIZE = 64          # tokens per KV-cache page; the scheduler's unit of work
+FIXED_OVERHEAD = 5            # block-equivalents charged per sequence piece
+ROWS_PER_TILE = 64            # query rows one CTA processes (the WGMMA M dimension)
+METADATA_WIDTH = 8            # int32 words per SM part in tile_scheduler_metadata
+
+# Column indices of one tile_scheduler_metadata row.
+BEGIN_SEQ, BEGIN_TOKEN, END_SEQ, END_TOKEN, BEGIN_SPLIT = range(5)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def num_sm_parts_for(num_sms: int, num_heads_per_head_k: int, num_heads_k: int) -> int:
+    """SM parts per (query tile, KV head): the grid then holds about one CTA per multiprocessor."""
+    tiles = ceil_div(num_heads_per_head_k, ROWS_PER_TILE)
+    return max(num_sms // num_heads_k // tiles, 1)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A contiguous token range [begin_token, end_token) of one sequence, processed by one SM part."""
+    seq: int
+    begin_token: int
+    end_token: int
+    split_idx: int       # index of this piece among the sequence's pieces
+    num_pieces: int      # pieces the sequence was cut into (1 = unsplit)
+    slot: int            # workspace slot for split pieces: num_splits[seq] + split_idx
+
+
+def schedule(seqlens: Sequence[int], num_sm_parts: int) -> Tuple[List[List[int]], List[int]]:
+    """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists."""
+    b = len(seqlens)
+    if b == 0:
+        raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
+    blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
+    total = sum(blocks) + FIXED_OVERHEAD * b
+    payload = ceil_div(total, num_sm_parts) + FIXED_OVERHEAD
+
+    metadata: List[List[int]] = []
+    num_splits = [0] * (b + 1)
+    seq, block, split_idx = 0, 0, 0   # walk position: sequence, first untaken block, pieces already cut
+    splits_so_far = 0
+    for _ in range(num_sm_parts):
+        begin_seq, begin_block, begin_split = seq, block, split_idx
+        remaining = payload
+        while seq < b:
+            cost_to_close = blocks[seq] - block + FIXED_OVERHEAD
+            if cost_to_close <= remaining:          # the rest of the sequence fits: take it whole
+                remaining -= cost_to_close
+                splits_so_far += split_idx + 1
+                num_splits[seq + 1] = splits_so_far
+                seq, block, split_idx = seq + 1, 0, 0
+                continue
+            if remaining > FIXED_OVERHEAD:          # room for a piece: cut the sequence here
+                block += remaining - FIXED_OVERHEAD
+                split_idx += 1
+            break
+        if block > 0:
+            end_seq, end_token = seq, block * PAGE_BLOCK_SIZE
+        else:
+            end_seq = seq - 1
+            end_token = int(seqlens[end_seq]) if end_seq >= 0 else 0
+        metadata.append([begin_seq, begin_block * PAGE_BLOCK_SIZE, end_seq, end_token, begin_split, 0, 0, 0])
+    assert seq == b, "scheduler invariant: the parts' payload covers the whole batch"
+    return metadata, num_splits
+
+
+def get_mla_metadata_twin(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
+                          num_sms: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler's tensors, exactly as the CUDA metadata kernel returns them (on cache_seqlens.device)."""
+    parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k)
+    metadata, num_splits = schedule(cache_seqlens.tolist(), parts)
+    dev = cache_seqlens.device
+    return (torch.tensor(metadata, dtype=torch.int32, device=dev).reshape(parts, METADATA_WIDTH),
+            torch.tensor(num_splits, dtype=torch.int32, device=dev))
+
+
+def pieces_of_part(row: Sequence[int], seqlens: Sequence[int], num_splits: Sequence[int]) -> List[Piece]:
+    """Decode one metadata row into the sequence pieces its SM part processes (what the kernel walks)."""
+    begin_seq, begin_token, end_seq, end_token, begin_split = (int(x) for x in row[:5])
+    pieces = []
+    for seq in range(begin_seq, end_seq + 1):
+        lo = begin_token if seq == begin_seq else 0
+        hi = end_token if seq == end_seq else int(seqlens[seq])
+        split_idx = begin_split if seq == begin_seq else 0
+        n = int(num_splits[seq + 1]) - int(num_splits[seq])
+        pieces.append(Piece(seq, lo, hi, split_idx, n, int(num_splits[seq]) + split_idx))
+    return pieces

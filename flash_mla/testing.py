@@ -1,0 +1,105 @@
+"""Building realistic decoding batches and comparing results, shared by tests, benchmarks and the CLI."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Dict, Optional, Sequence
+
+import torch
+
+from .reference import mla_decode_reference
+
+PAGE_BLOCK_SIZE = 64
+HEAD_DIM_QK, HEAD_DIM_V = 576, 512
+
+
+@dataclass
+class DecodeBatch:
+    q: torch.Tensor              # (b, s_q, h_q, 576)
+    k_cache: torch.Tensor        # (num_blocks, 64, h_kv, 576)
+    block_table: torch.Tensor    # (b, max_blocks_per_seq) int32, -1 past each sequence's pages
+    cache_seqlens: torch.Tensor  # (b,) int32
+    causal: bool
+
+    @property
+    def shape(self) -> Dict[str, int]:
+        b, s_q, h_q, _ = self.q.shape
+        return dict(b=b, s_q=s_q, h_q=h_q, h_kv=self.k_cache.shape[2])
+
+
+def make_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv: int = 1,
+                      dtype: torch.dtype = torch.bfloat16, device="cpu", causal: bool = False,
+                      generator: Optional[torch.Generator] = None, nan_past_end: bool = True,
+                      shuffle_pages: bool = True, extra_blocks: int = 3) -> DecodeBatch:
+    """A batch with pages in random physical order, NaN in every cache slot past a sequence's length,
+    -1 in block_table entries past a sequence's pages, and `extra_blocks` unused (NaN) blocks in the pool."""
+    b = len(seqlens)
+    pages = [-(-int(L) // PAGE_BLOCK_SIZE) for L in seqlens]
+    max_pages = max(max(pages), 1)
+    num_blocks = sum(pages) + extra_blocks
+    perm = torch.randperm(num_blocks, generator=generator) if shuffle_pages else torch.arange(num_blocks)
+    block_table = torch.full((b, max_pages), -1, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, PAGE_BLOCK_SIZE, h_kv, HEAD_DIM_QK, generator=generator)
+    valid = torch.zeros(num_blocks, PAGE_BLOCK_SIZE, dtype=torch.bool)
+    used = 0
+    for i, (L, n) in enumerate(zip(seqlens, pages)):
+        phys = perm[used:used + n]
+        used += n
+        block_table[i, :n] = phys.int()
+        slot = torch.arange(n * PAGE_BLOCK_SIZE) < int(L)
+        valid[phys] = slot.reshape(n, PAGE_BLOCK_SIZE)
+    if nan_past_end:
+        k_cache[~valid] = math.nan
+    q = torch.randn(b, s_q, h_q, HEAD_DIM_QK, generator=generator)
+    return DecodeBatch(q=q.to(dtype).to(device), k_cache=k_cache.to(dtype).to(device),
+                       block_table=block_table.to(device),
+                       cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device),
+                       causal=causal)
+
+
+def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
+                   generator: Optional[torch.Generator] = None) -> list:
+    """Upstream's benchmark lengths: all `mean`, or ~N(mean, mean/2) clipped to at least s_q."""
+    if not varlen:
+        return [mean] * b
+    lens = torch.normal(float(mean), mean / 2, (b,), generator=generator)
+    return [max(int(x), s_q) for x in lens.tolist()]
+
+
+def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None):
+    """float32 reference (out, lse), computed on the CPU."""
+    return mla_decode_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.block_table.cpu(),
+                                batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal)
+
+
+def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> Dict[str, float]:
+    """Error metrics: relative L2 of out and of lse (finite entries), cosine difference of out, and counts of
+    NaN and of lse -inf disagreements. Every figure is 0 for a perfect result."""
+    out, lse = out.detach().float().cpu(), lse.detach().float().cpu()
+    ref_out, ref_lse = ref_out.float().cpu(), ref_lse.float().cpu()
+    finite = torch.isfinite(ref_lse)
+    eps = 1e-12
+    d_out = out.double().flatten(); r_out = ref_out.double().flatten()
+    cos = (d_out @ r_out) / (d_out.norm() * r_out.norm()).clamp_min(eps)
+    lse_err = ((lse[finite] - ref_lse[finite]).norm() / ref_lse[finite].norm().clamp_min(eps)).item() \
+        if finite.any() else 0.0
+    return dict(
+        out_rel_l2=((out - ref_out).norm() / ref_out.norm().clamp_min(eps)).item(),
+        lse_rel_l2=lse_err,
+        cos_diff=(1 - cos).item() if r_out.norm() > 0 else (0.0 if d_out.norm() == 0 else 1.0),
+        nan=int(torch.isnan(out).sum() + torch.isnan(lse).sum()),
+        inf_mismatch=int((torch.isneginf(lse) != torch.isneginf(ref_lse)).sum()),
+    )
+
+
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+COS_TOLERANCE = 1e-5
+
+
+def assert_close(metrics: Dict[str, float], dtype: torch.dtype, what: str = "") -> None:
+    tol = TOLERANCE[dtype]
+    assert metrics["nan"] == 0, f"{what}: NaN in output: {metrics}"
+    assert metrics["inf_mismatch"] == 0, f"{what}: lse -inf pattern differs from the reference: {metrics}"
+    assert metrics["out_rel_l2"] < tol, f"{what}: out error {metrics}"
+    assert metrics["lse_rel_l2"] < tol, f"{what}: lse error {metrics}"
+    assert metrics["cos_diff"] < COS_TOLERANCE, f"{what}: cosine difference {metrics}"
