@@ -1,0 +1,43 @@
+// Host-side proof of the shared-memory layout facts the split-KV kernel relies on (run by the CPU tests):
+//  1. V^T (SmemLayoutVt) addresses exactly the bytes of the K page (SmemLayoutK) transposed.
+//  2. Moving 32 rows or one 64-column segment in a Q/K tile adds a constant (the copy mapping's shortcut).
+//  3. Each 16-byte chunk (8 elements) stays contiguous under the swizzle.
+#include <cstdio>
+#include <cute/tensor.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "splitkv_traits.h"
+
+template <class Element>
+int check() {
+  using namespace cute;
+  using T = flash_mla::SplitKvTraits<Element>;
+  // Byte address (from a 1024-byte aligned base) of element (i, j): the swizzle acts on byte addresses.
+  auto address = [](auto layout, int i, int j) { return int(layout.layout_a()(int(sizeof(Element)) * int(layout.layout_b()(i, j)))); };
+  auto k = [&](int i, int j) { return address(typename T::SmemLayoutK{}, i, j) / int(sizeof(Element)); };
+  auto vt = [&](int i, int j) { return address(typename T::SmemLayoutVt{}, i, j) / int(sizeof(Element)); };
+  auto q = [&](int i, int j) { return address(typename T::SmemLayoutQ{}, i, j) / int(sizeof(Element)); };
+  int errors = 0;
+  if (k(1, 0) != 72 || k(0, 8) != 8 || k(1, 8) != 64) errors++, printf("the 128-byte swizzle is not in effect\n");
+  for (int t = 0; t < T::kBlockN; ++t)
+    for (int d = 0; d < flash_mla::kHeadDimV; ++d)
+      if (vt(d, t) != k(t, d) && errors++ < 5) printf("Vt(%d,%d)=%d != K(%d,%d)=%d\n", d, t, vt(d, t), t, d, k(t, d));
+  for (int r = 0; r < 32; ++r)
+    for (int c = 0; c < 64; c += 8)
+      for (int h = 0; h < 2; ++h)
+        for (int s = 0; s < 9; ++s) {
+          const int expect = k(r, c) + h * 32 * 64 + s * 64 * 64;
+          if ((k(r + 32 * h, c + 64 * s) != expect || q(r + 32 * h, c + 64 * s) != expect) && errors++ < 10)
+            printf("copy shortcut fails at r=%d c=%d h=%d s=%d\n", r, c, h, s);
+          for (int e = 1; e < 8; ++e)
+            if (k(r + 32 * h, c + 64 * s + e) != expect + e && errors++ < 10) printf("chunk not contiguous\n");
+        }
+  printf("%s: %d errors; smem bytes %d\n", sizeof(Element) == 2 ? "16-bit" : "?", errors, T::kSmemBytes);
+  return errors;
+}
+
+int main() {
+  const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>();
+  printf(errors ? "FAILED\n" : "OK\n");
+  return errors ? 1 : 0;
+}

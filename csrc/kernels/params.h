@@ -1,0 +1,66 @@
+// Plain-C++ parameter structs shared by the torch binding (host .cpp) and the kernels (.cu).
+// No CUDA or CuTe headers here: the binding is compiled by the host compiler.
+#pragma once
+
+#include <cstdint>
+
+namespace flash_mla {
+
+// Fixed problem geometry of DeepSeek MLA after weight absorption.
+constexpr int kHeadDimQK = 576;       // 512 latent ("NoPE") + 64 RoPE columns
+constexpr int kHeadDimV = 512;        // V = first 512 columns of the cache
+constexpr int kPageBlockSize = 64;    // tokens per KV-cache page
+constexpr int kRowsPerTile = 64;      // query rows per CTA (WGMMA M)
+constexpr int kFixedOverhead = 5;     // scheduler cost of one sequence piece, in pages
+constexpr int kMetadataWidth = 8;     // int32 words per SM part
+
+// Column indices of one tile_scheduler_metadata row.
+enum MetadataField : int { kBeginSeq = 0, kBeginToken = 1, kEndSeq = 2, kEndToken = 3, kBeginSplit = 4 };
+
+struct MetadataParams {
+  const int32_t* seqlens;        // (batch,)
+  int32_t* metadata;             // (num_sm_parts, 8)
+  int32_t* num_splits;           // (batch + 1,)
+  int32_t* cost_prefix;          // (batch + 1,) scratch: exclusive prefix sum of per-sequence costs
+  int batch;
+  int num_sm_parts;
+};
+
+struct DecodeParams {
+  // Shapes.
+  int batch, seqlen_q, num_heads_q, num_heads_k;
+  int heads_per_kv;              // num_heads_q / num_heads_k
+  int rows_per_kv;               // seqlen_q * heads_per_kv: packed query rows of one KV head
+  int num_row_tiles;             // ceil(rows_per_kv / 64)
+  int num_sm_parts;
+  float scale_log2;              // softmax_scale * log2(e): scores go straight into exp2
+  bool causal;
+
+  // Inputs (element strides; the last dimension is contiguous).
+  const void* q;                 // (batch, seqlen_q, num_heads_q, 576)
+  int64_t q_batch_stride, q_token_stride, q_head_stride;
+  const void* k_cache;           // (num_blocks, 64, num_heads_k, 576)
+  int64_t k_block_stride, k_token_stride, k_head_stride;
+  const int32_t* block_table;    // (batch, max_blocks_per_seq)
+  int64_t block_table_stride;
+  const int32_t* seqlens;        // (batch,)
+  const int32_t* metadata;       // (num_sm_parts, 8)
+  const int32_t* num_splits;     // (batch + 1,)
+
+  // Outputs (contiguous).
+  void* out;                     // (batch, seqlen_q, num_heads_q, 512)
+  float* lse;                    // (batch, num_heads_q, seqlen_q)
+
+  // Workspace for split sequences, one slot per piece (slot = num_splits[seq] + split_idx).
+  float* o_partial;              // (num_slots, num_heads_k, rows_per_kv, 512)
+  float* lse_partial;            // (num_slots, num_heads_k, rows_per_kv)
+};
+
+// Launchers, one translation unit each (csrc/kernels/*.cu). All run on `stream` and never synchronise.
+void launch_mla_metadata(const MetadataParams& params, void* stream);
+void launch_mla_splitkv_bf16(const DecodeParams& params, void* stream);
+void launch_mla_splitkv_fp16(const DecodeParams& params, void* stream);
+void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
+void launch_mla_combine_fp16(const DecodeParams& params, void* stream);
+
+}  // namespace flash_mla
