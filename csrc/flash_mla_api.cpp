@@ -1,0 +1,145 @@
+// Torch binding of the Hopper kernels: flash_mla._cuda.{get_mla_metadata, mla_decode}.
+// The TORCH_CHECKs mirror flash_mla/_validation.py (which runs first); they guard direct callers of the
+// extension. Kernels launch on the current stream, workspace comes from the caching allocator, no host syncs.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/extension.h>
+
+#include <cmath>
+
+#include "kernels/params.h"
+
+namespace flash_mla {
+namespace {
+
+#define CHECK_DEVICE(x, dev) TORCH_CHECK((x).device() == (dev), #x ": expected a tensor on ", dev, ", got ", (x).device())
+#define CHECK_DTYPE(x, dt) TORCH_CHECK((x).scalar_type() == (dt), #x ": expected dtype ", dt, ", got ", (x).scalar_type())
+#define CHECK_SHAPE(x, ...) \
+  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x ": expected shape ", at::IntArrayRef({__VA_ARGS__}), ", got ", (x).sizes())
+
+constexpr int kMaxSmParts = 1024;   // metadata kernel's shared-memory bound (csrc/kernels/metadata.cu)
+
+int num_sm_parts_for(int num_sms, int num_heads_per_head_k, int num_heads_k) {
+  const int tiles = (num_heads_per_head_k + kRowsPerTile - 1) / kRowsPerTile;
+  return std::max(num_sms / num_heads_k / tiles, 1);
+}
+
+std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_heads_per_head_k,
+                                         int64_t num_heads_k, int64_t num_sms) {
+  TORCH_CHECK(seqlens.is_cuda(), "cache_seqlens: expected a CUDA tensor, got one on ", seqlens.device());
+  CHECK_DTYPE(seqlens, at::kInt);
+  TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ", seqlens.sizes());
+  TORCH_CHECK(num_heads_per_head_k >= 1 && num_heads_k >= 1 && num_sms >= 1,
+              "num_heads_per_head_k, num_heads_k, num_sms: expected >= 1, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
+  const int parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k);
+  TORCH_CHECK(parts <= kMaxSmParts, "num_sms: at most ", kMaxSmParts, " SM parts are supported, got ", parts);
+  const c10::cuda::CUDAGuard guard(seqlens.device());
+  const auto seqlens_c = seqlens.contiguous();
+  const int batch = seqlens.size(0);
+  const auto opts = seqlens.options();
+  at::Tensor metadata = at::empty({parts, kMetadataWidth}, opts);
+  at::Tensor num_splits = at::empty({batch + 1}, opts);
+  at::Tensor cost_prefix = at::empty({batch + 1}, opts);
+  MetadataParams p{seqlens_c.data_ptr<int32_t>(), metadata.data_ptr<int32_t>(), num_splits.data_ptr<int32_t>(),
+                   cost_prefix.data_ptr<int32_t>(), batch, parts};
+  launch_mla_metadata(p, at::cuda::getCurrentCUDAStream().stream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {metadata, num_splits};
+}
+
+void check_rows_16_byte_aligned(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.stride(-1) == 1, name, ": expected a contiguous last dimension, got strides ", x.strides());
+  for (int d = 0; d + 1 < x.dim(); ++d)
+    TORCH_CHECK(x.stride(d) % 8 == 0, name, ": expected strides that are multiples of 8 elements, got ", x.strides());
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name, ": expected a 16-byte aligned data pointer");
+}
+
+std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
+                                   const at::Tensor& seqlens, int64_t head_dim_v, const at::Tensor& metadata,
+                                   const at::Tensor& num_splits, double softmax_scale, bool causal) {
+  TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
+  const auto dev = q.device();
+  const auto dtype = q.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "q: expected dtype bfloat16 or float16, got ", dtype);
+  TORCH_CHECK(q.dim() == 4, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
+  const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2), num_heads_k = k_cache.size(2);
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
+  TORCH_CHECK(q.size(3) == kHeadDimQK, "q: expected head_dim ", kHeadDimQK, ", got ", q.size(3));
+  CHECK_DEVICE(k_cache, dev); CHECK_DTYPE(k_cache, dtype);
+  TORCH_CHECK(k_cache.size(1) == kPageBlockSize && k_cache.size(3) == kHeadDimQK && k_cache.size(0) >= 1,
+              "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
+  TORCH_CHECK(num_heads_k >= 1 && num_heads_q % num_heads_k == 0,
+              "k_cache: expected num_heads_k dividing num_heads_q = ", num_heads_q, ", got ", num_heads_k);
+  TORCH_CHECK(head_dim_v == kHeadDimV, "head_dim_v: expected ", kHeadDimV, ", got ", head_dim_v);
+  check_rows_16_byte_aligned(q, "q");
+  check_rows_16_byte_aligned(k_cache, "k_cache");
+  CHECK_DEVICE(block_table, dev); CHECK_DTYPE(block_table, at::kInt);
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
+              "block_table: expected (batch_size, max_blocks_per_seq), got ", block_table.sizes());
+  TORCH_CHECK(block_table.size(1) == 0 || block_table.stride(1) == 1, "block_table: expected a contiguous last dimension");
+  CHECK_DEVICE(seqlens, dev); CHECK_DTYPE(seqlens, at::kInt); CHECK_SHAPE(seqlens, batch);
+  CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
+  TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
+              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
+  CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
+
+  const c10::cuda::CUDAGuard guard(dev);
+  const auto seqlens_c = seqlens.contiguous();
+  const auto num_splits_c = num_splits.contiguous();
+  const int num_sm_parts = metadata.size(0);
+  const int heads_per_kv = num_heads_q / num_heads_k;
+  const int rows_per_kv = seqlen_q * heads_per_kv;
+
+  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options());
+  at::Tensor lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  // One slot per piece of a split sequence: at most batch + num_sm_parts (SPEC.md "Scheduler").
+  const int64_t slots = int64_t(batch) + num_sm_parts;
+  at::Tensor o_partial = at::empty({slots, num_heads_k, rows_per_kv, kHeadDimV}, q.options().dtype(at::kFloat));
+  at::Tensor lse_partial = at::empty({slots, num_heads_k, rows_per_kv}, q.options().dtype(at::kFloat));
+
+  DecodeParams p{};
+  p.batch = batch; p.seqlen_q = seqlen_q; p.num_heads_q = num_heads_q; p.num_heads_k = num_heads_k;
+  p.heads_per_kv = heads_per_kv; p.rows_per_kv = rows_per_kv;
+  p.num_row_tiles = (rows_per_kv + kRowsPerTile - 1) / kRowsPerTile;
+  p.num_sm_parts = num_sm_parts;
+  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.causal = causal;
+  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
+  p.k_cache = k_cache.data_ptr();
+  p.k_block_stride = k_cache.stride(0); p.k_token_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
+  p.block_table = block_table.data_ptr<int32_t>(); p.block_table_stride = block_table.stride(0);
+  p.seqlens = seqlens_c.data_ptr<int32_t>();
+  p.metadata = metadata.data_ptr<int32_t>();
+  p.num_splits = num_splits_c.data_ptr<int32_t>();
+  p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
+  p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
+
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  if (dtype == at::kBFloat16) {
+    launch_mla_splitkv_bf16(p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_mla_combine_bf16(p, stream);
+  } else {
+    launch_mla_splitkv_fp16(p, stream);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_mla_combine_fp16(p, stream);
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
+}  // namespace
+}  // namespace flash_mla
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "flash_mla Hopper kernels (sm_90a)";
+  m.def("get_mla_metadata", &flash_mla::get_mla_metadata, "Tile scheduler on the device",
+        pybind11::arg("cache_seqlens"), pybind11::arg("num_heads_per_head_k"), pybind11::arg("num_heads_k"),
+        pybind11::arg("num_sms"));
+  m.def("mla_decode", &flash_mla::mla_decode, "Split-KV MLA decoding + combine", pybind11::arg("q"),
+        pybind11::arg("k_cache"), pybind11::arg("block_table"), pybind11::arg("cache_seqlens"),
+        pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"));
+}
