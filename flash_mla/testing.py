@@ -32,27 +32,31 @@ def make_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv:
                       generator: Optional[torch.Generator] = None, nan_past_end: bool = True,
                       shuffle_pages: bool = True, extra_blocks: int = 3) -> DecodeBatch:
     """A batch with pages in random physical order, NaN in every cache slot past a sequence's length,
-    -1 in block_table entries past a sequence's pages, and `extra_blocks` unused (NaN) blocks in the pool."""
+    -1 in block_table entries past a sequence's pages, and `extra_blocks` unused (NaN) blocks in the pool.
+
+    `generator` is a CPU generator; the data is drawn on `device` itself (a seeded generator there), so large
+    GPU batches cost no host-side random numbers or copies."""
+    device = torch.device(device)
     b = len(seqlens)
     pages = [-(-int(L) // PAGE_BLOCK_SIZE) for L in seqlens]
     max_pages = max(max(pages), 1)
     num_blocks = sum(pages) + extra_blocks
     perm = torch.randperm(num_blocks, generator=generator) if shuffle_pages else torch.arange(num_blocks)
     block_table = torch.full((b, max_pages), -1, dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, PAGE_BLOCK_SIZE, h_kv, HEAD_DIM_QK, generator=generator)
     valid = torch.zeros(num_blocks, PAGE_BLOCK_SIZE, dtype=torch.bool)
     used = 0
     for i, (L, n) in enumerate(zip(seqlens, pages)):
         phys = perm[used:used + n]
         used += n
         block_table[i, :n] = phys.int()
-        slot = torch.arange(n * PAGE_BLOCK_SIZE) < int(L)
-        valid[phys] = slot.reshape(n, PAGE_BLOCK_SIZE)
+        valid[phys] = (torch.arange(n * PAGE_BLOCK_SIZE) < int(L)).reshape(n, PAGE_BLOCK_SIZE)
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    dev_gen = torch.Generator(device=device).manual_seed(seed)
+    k_cache = torch.randn(num_blocks, PAGE_BLOCK_SIZE, h_kv, HEAD_DIM_QK, generator=dev_gen, device=device).to(dtype)
     if nan_past_end:
-        k_cache[~valid] = math.nan
-    q = torch.randn(b, s_q, h_q, HEAD_DIM_QK, generator=generator)
-    return DecodeBatch(q=q.to(dtype).to(device), k_cache=k_cache.to(dtype).to(device),
-                       block_table=block_table.to(device),
+        k_cache[~valid.to(device)] = math.nan
+    q = torch.randn(b, s_q, h_q, HEAD_DIM_QK, generator=dev_gen, device=device).to(dtype)
+    return DecodeBatch(q=q, k_cache=k_cache, block_table=block_table.to(device),
                        cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device),
                        causal=causal)
 
@@ -66,10 +70,25 @@ def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
     return [max(int(x), s_q) for x in lens.tolist()]
 
 
-def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None):
-    """float32 reference (out, lse), computed on the CPU."""
+def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None, on_device: bool = False):
+    """float32 reference (out, lse): on the CPU, or on the batch's device (TF32 off) for large GPU batches."""
+    if on_device:
+        tf32 = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = False
+        try:
+            return mla_decode_reference(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens.cpu(),
+                                        HEAD_DIM_V, softmax_scale, batch.causal)
+        finally:
+            torch.backends.cuda.matmul.allow_tf32 = tf32
     return mla_decode_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.block_table.cpu(),
                                 batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal)
+
+
+def poison_cuda_allocator(nbytes: int, device="cuda") -> None:
+    """Fill `nbytes` of the caching allocator's free memory with NaN and release it, so that tensors a call
+    allocates next (its outputs) start as NaN: an element the kernels fail to write then shows up as NaN."""
+    block = torch.full((nbytes // 4 + 1,), math.nan, dtype=torch.float32, device=device)
+    del block
 
 
 def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor) -> Dict[str, float]:

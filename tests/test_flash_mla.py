@@ -1,0 +1,199 @@
+"""Hopper kernel tests: correctness of flash_mla._cuda against the float32 reference.
+
+Two ways to run:
+  python tests/test_flash_mla.py [--quick]   full reference sweep of SPEC.md "Targets" on a Hopper GPU, one line
+                                             per row (time, TFLOP/s, GB/s, verdict), then the edge-case sweep
+  pytest tests/test_flash_mla.py             a reduced sweep; skips without a GPU and the built extension
+Every check: relative L2 error of out and lse < 1e-2 (bf16) / 2e-3 (fp16), cosine difference < 1e-5, no NaN
+(cache slots past each length are NaN, outputs come from NaN-poisoned memory), lse -inf exactly where the
+reference has it, and the device scheduler's metadata equal to the Python twin's.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import statistics
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import flash_mla  # noqa: E402
+from flash_mla.backends import cuda_extension  # noqa: E402
+from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
+from flash_mla.testing import (assert_close, compare, make_decode_batch, poison_cuda_allocator,  # noqa: E402
+                               random_seqlens, reference_for)
+
+
+def _hopper_reason():
+    if not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    if cuda_extension() is None:
+        return "needs the CUDA extension flash_mla._cuda (pip install --no-build-isolation -e . with nvcc)"
+    if torch.cuda.get_device_capability() != (9, 0):
+        return "needs a Hopper (sm_90) GPU"
+    return None
+
+
+needs_hopper = pytest.mark.skipif(_hopper_reason() is not None, reason=_hopper_reason() or "")
+
+
+def run_case(seqlens, s_q, h_q, h_kv=1, causal=True, dtype=torch.bfloat16, seed=0, reference_on_device=True):
+    """Build a batch, run metadata + decode on the GPU, compare with the reference. Returns (batch, metrics)."""
+    gen = torch.Generator().manual_seed(seed)
+    batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, h_kv=h_kv, dtype=dtype, device="cuda", causal=causal,
+                              generator=gen)
+    rows = s_q * h_q // h_kv
+    metadata, num_splits = flash_mla.get_mla_metadata(batch.cache_seqlens, rows, h_kv)
+    twin_md, twin_ns = get_mla_metadata_twin(batch.cache_seqlens.cpu(), rows, h_kv,
+                                             torch.cuda.get_device_properties(0).multi_processor_count)
+    assert torch.equal(metadata.cpu(), twin_md), "device metadata differs from the Python twin"
+    assert torch.equal(num_splits.cpu(), twin_ns), "device num_splits differs from the Python twin"
+    b = len(seqlens)
+    poison_cuda_allocator(2 * (b + metadata.shape[0]) * h_kv * rows * 512 * 4 + b * s_q * h_q * 512 * 2)
+    out, lse = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens,
+                                                512, metadata, num_splits, causal=causal)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference_for(batch, on_device=reference_on_device)
+    return batch, (metadata, num_splits), out, lse, compare(out, lse, ref_out, ref_lse)
+
+
+def time_decode(batch, metadata, num_splits, reps=30):
+    """Median of `reps` timed calls of flash_mla_with_kvcache (metadata outside), in seconds."""
+    args = (batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, metadata, num_splits)
+    for _ in range(3):
+        flash_mla.flash_mla_with_kvcache(*args, causal=batch.causal)
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        flash_mla.flash_mla_with_kvcache(*args, causal=batch.causal)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def flops_and_bytes(seqlens, s_q, h_q, h_kv):
+    """SPEC.md "Targets": FLOPs = 2 s_q sum(L) h_q (576 + 512); bytes = cache once + q + out (2-byte types)."""
+    total = sum(seqlens)
+    b = len(seqlens)
+    flops = 2 * s_q * total * h_q * (576 + 512)
+    nbytes = 2 * (total * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512)
+    return flops, nbytes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# pytest: reduced sweep (skips without a Hopper GPU and the extension)
+# ----------------------------------------------------------------------------------------------------------------
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s_q,h_q", [(1, 16), (2, 64), (1, 128)])
+def test_reference_rows(dtype, s_q, h_q):
+    seqlens = random_seqlens(32, 2048, s_q, varlen=True, generator=torch.Generator().manual_seed(h_q))
+    *_, metrics = run_case(seqlens, s_q, h_q, dtype=dtype)
+    assert_close(metrics, dtype, f"s_q={s_q} h_q={h_q}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("s_q", [1, 2, 3, 4])
+def test_ragged_lengths(causal, s_q):
+    seqlens = [0, 1, 63, 64, 65, 4097, 0, 2, 127, 128]
+    *_, metrics = run_case(seqlens, s_q, 16, causal=causal, seed=s_q)
+    assert_close(metrics, torch.bfloat16, f"ragged causal={causal} s_q={s_q}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("h_q", [1, 8, 16, 24, 64, 128])
+def test_head_counts(h_q):
+    *_, metrics = run_case([1, 63, 64, 65, 1000, 4097], 2, h_q, seed=h_q)
+    assert_close(metrics, torch.bfloat16, f"h_q={h_q}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_two_kv_heads(dtype):
+    *_, metrics = run_case([0, 65, 700, 4097], 2, 32, h_kv=2, dtype=dtype)
+    assert_close(metrics, dtype, "h_kv=2")
+
+
+@needs_hopper
+def test_all_empty_sequences():
+    batch, _, out, lse, metrics = run_case([0, 0, 0], 1, 16)
+    assert torch.all(out == 0) and torch.all(torch.isneginf(lse)), metrics
+
+
+@needs_hopper
+@pytest.mark.parametrize("b", [1, 4096])
+def test_batch_sizes(b):
+    gen = torch.Generator().manual_seed(b)
+    seqlens = [int(x) for x in torch.randint(0, 300 if b > 1 else 20000, (b,), generator=gen)]
+    *_, metrics = run_case(seqlens, 1, 16, seed=b)
+    assert_close(metrics, torch.bfloat16, f"b={b}")
+
+
+@needs_hopper
+def test_deterministic():
+    batch, (md, ns), out, lse, _ = run_case([5000, 100, 9000], 2, 64)
+    again = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512,
+                                             md, ns, causal=True)
+    assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# script: the full reference sweep, one line per row
+# ----------------------------------------------------------------------------------------------------------------
+
+def reference_sweep(quick: bool):
+    means = [4096] if quick else [4096, 8192, 16384]
+    heads = [16, 128] if quick else [16, 32, 64, 128]
+    for mean, h_q, s_q, varlen in itertools.product(means, heads, [1, 2], [False, True]):
+        yield dict(b=128, mean=mean, h_q=h_q, s_q=s_q, varlen=varlen)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few rows only")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
+    args = parser.parse_args()
+    reason = _hopper_reason()
+    if reason is not None:
+        print(f"skipped: {reason}")
+        return 0
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
+    print(f"device: {torch.cuda.get_device_name()}  dtype: {args.dtype}  causal, h_kv=1, b=128")
+    print(f"{'mean':>6} {'h_q':>4} {'s_q':>3} {'varlen':>6} {'time_us':>9} {'TFLOP/s':>8} {'GB/s':>7} "
+          f"{'out_err':>9} {'lse_err':>9} {'cos':>9} verdict")
+    failures = 0
+    for i, row in enumerate(reference_sweep(args.quick)):
+        gen = torch.Generator().manual_seed(i)
+        seqlens = random_seqlens(row["b"], row["mean"], row["s_q"], row["varlen"], generator=gen)
+        batch, (md, ns), out, lse, metrics = run_case(seqlens, row["s_q"], row["h_q"], dtype=dtype, seed=i)
+        try:
+            assert_close(metrics, dtype)
+            verdict = "ok"
+        except AssertionError as e:
+            verdict = f"FAIL {e}"
+            failures += 1
+        del out, lse
+        t = time_decode(batch, md, ns)
+        flops, nbytes = flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
+        print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {str(row['varlen']):>6} {t * 1e6:>9.1f} "
+              f"{flops / t / 1e12:>8.1f} {nbytes / t / 1e9:>7.0f} {metrics['out_rel_l2']:>9.2e} "
+              f"{metrics['lse_rel_l2']:>9.2e} {metrics['cos_diff']:>9.2e} {verdict}", flush=True)
+        del batch
+        torch.cuda.empty_cache()
+    print("edge cases:", flush=True)
+    edge = pytest.main([__file__, "-q", "-x", "-p", "no:cacheprovider"])
+    failures += int(edge != 0)
+    print("ALL ROWS PASSED" if failures == 0 else f"{failures} FAILURES")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
