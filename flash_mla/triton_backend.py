@@ -1,0 +1,312 @@
+"""Portable Triton backend: split-KV MLA decoding over the paged KV cache on any CUDA GPU Triton supports.
+
+The algorithm is the one flash_mla/cpu_backend.py spells out, on the scheduler's metadata:
+
+1. Split kernel, grid (query-row tile, KV head, SM part). A program reads its metadata row and walks the
+   sequence pieces of its part (scheduler.pieces_of_part). For each piece it loads the tile's query rows
+   once, then streams the piece's keys through the block table, BLOCK_N tokens at a time, with an online
+   softmax in float32 (exp2, scale folded into log2 units). All query heads of one KV head are packed into
+   the M dimension of tl.dot, so a cache page is read once per (KV head, row tile), not once per head.
+   An unsplit sequence (one piece) is written straight to `out`/`lse`; a piece of a split sequence writes
+   its normalised float32 partial output and lse to workspace slot num_splits[seq] + split_idx.
+2. Combine kernel, grid (sequence, KV head, row tile): for sequences with more than one piece,
+   lse = logsumexp_k lse_k and out = sum_k exp(lse_k - lse) * O_k; rows no piece saw keep out 0, lse -inf.
+
+Nothing here synchronises with the host (the workspace is sized by the bound b + num_sm_parts on the slot
+count, not by reading num_splits), so a call can be captured in a CUDA graph; kernels run on the current
+stream (Triton launches on torch's current stream).
+
+Importing this module never fails: without Triton, `unavailable_reason` says why and the kernels are absent.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    _TRITON_IMPORT_ERROR: Optional[str] = None
+except ImportError as e:  # Triton is an optional dependency
+    triton = None
+    tl = None
+    _TRITON_IMPORT_ERROR = str(e)
+
+PAGE_BLOCK_SIZE = 64          # tokens per KV-cache page (SPEC.md)
+LOG2E = math.log2(math.e)     # exp(x) = exp2(x * LOG2E): scores are kept in log2 units
+METADATA_WIDTH = 8            # int32 words per SM part in tile_scheduler_metadata
+
+# ---- tuning knobs (to be tuned on the H100) ----------------------------------------------------------------
+# Keys per inner-loop step. 64 = one page; any power of two works (the block table is looked up per token).
+# The K tile (BLOCK_N x 576 half) is the dot operand both for S = Q K^T and, its first 512 columns, for
+# O += P V, so it is loaded once per step; larger tiles mean fewer softmax rescales but more shared memory.
+BLOCK_N = 64
+# Query rows per program: the M of tl.dot. Rows of one KV head (s_q * h_q / h_kv of them) are tiled by the
+# smallest power of two that holds them, between 16 (tl.dot's minimum M) and MAX_BLOCK_M: every extra row
+# tile re-reads the cache, but the float32 accumulator (BLOCK_M x 512) has to fit in registers.
+MIN_BLOCK_M = 16
+MAX_BLOCK_M = 64
+# Warps per split-kernel program, by BLOCK_M: more rows -> bigger accumulator -> more warps to hold it.
+SPLIT_NUM_WARPS = {16: 4, 32: 4, 64: 8}
+# Software-pipelining depth of the key loop: 2 overlaps the next tile's (gathered) load with this tile's
+# math; each stage holds a BLOCK_N x 576 tile in shared memory (72 KiB at BLOCK_N = 64).
+SPLIT_NUM_STAGES = 2
+# Combine kernel: rows per program and warps. It only streams n_pieces x rows x 512 float32 once.
+COMBINE_BLOCK_M = 16
+COMBINE_NUM_WARPS = 4
+
+
+def unavailable_reason(device: torch.device) -> Optional[str]:
+    """None when the Triton kernels can run on `device`, else a human-readable reason."""
+    if _TRITON_IMPORT_ERROR is not None:
+        return f"triton is not importable ({_TRITON_IMPORT_ERROR}); install it with `pip install triton`"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"the triton backend needs CUDA tensors, got tensors on {device}"
+    if not torch.cuda.is_available():
+        return "torch.cuda.is_available() is False: no usable CUDA GPU or driver"
+    if torch.version.hip is None:
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            # bf16 tl.dot and the ~150 KiB of shared memory per program need Ampere or newer.
+            return (f"the triton backend needs an NVIDIA GPU of compute capability 8.0 or newer, "
+                    f"{torch.cuda.get_device_name(device)} is sm_{major}{minor}")
+    return None
+
+
+def _interpreted() -> bool:
+    """True when the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1 when this module was imported).
+
+    The interpreter multiplies bfloat16 dot operands as their raw uint16 bits (Triton 3.9), so under it the
+    kernel upcasts its (already bf16-rounded) operands to float32 first: same numbers, exact products.
+    """
+    return type(_split_kv_kernel).__name__ == "InterpretedFunction"
+
+
+def _row_block(rows: int) -> int:
+    """Query rows per split-kernel program (see MIN_BLOCK_M / MAX_BLOCK_M)."""
+    return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
+
+
+if triton is not None:
+    _LOG2E = tl.constexpr(LOG2E)   # for use inside kernels
+
+    @triton.jit
+    def _split_kv_kernel(
+        q_ptr, k_ptr, block_table_ptr, seqlens_ptr, metadata_ptr, num_splits_ptr,
+        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr,
+        stride_q_b, stride_q_s, stride_q_h,
+        stride_k_block, stride_k_pos, stride_k_h,
+        stride_bt_b,
+        stride_o_b, stride_o_s, stride_o_h,
+        stride_lse_b, stride_lse_h, stride_lse_s,
+        stride_ws_slot, stride_ws_h, stride_ws_row,   # o workspace (slot, h_kv, rows, D_V), last dim contiguous
+        stride_lws_slot, stride_lws_h,                # lse workspace (slot, h_kv, rows), last dim contiguous
+        s_q, group, rows, scale_log2,
+        CAUSAL: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, PAGE: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+    ):
+        row_tile = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        part = tl.program_id(2)
+
+        # This SM part's pieces: tokens [begin_token, ...) of begin_seq up to [..., end_token) of end_seq.
+        # An idle part has begin_seq = b > end_seq, so the sequence loop below does not run.
+        meta = metadata_ptr + part * 8
+        begin_seq = tl.load(meta + 0)
+        begin_token = tl.load(meta + 1)
+        end_seq = tl.load(meta + 2)
+        end_token = tl.load(meta + 3)
+        begin_split = tl.load(meta + 4)
+
+        # Packed query rows of this KV head: row r is query token r // group of head kv_head * group + r % group.
+        r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = r < rows
+        q_token = r // group
+        head = kv_head * group + r % group
+        cols_v = tl.arange(0, D_V)            # latent ("NoPE") columns, also V's columns
+        cols_rope = D_V + tl.arange(0, D_ROPE)
+        offs_n = tl.arange(0, BLOCK_N)
+
+        for seq in range(begin_seq, end_seq + 1):
+            seq64 = tl.cast(seq, tl.int64)   # 64-bit offsets: big batches overflow int32
+            length = tl.load(seqlens_ptr + seq)
+            lo = tl.where(seq == begin_seq, begin_token, 0)
+            hi = tl.where(seq == end_seq, end_token, length)
+            split_idx = tl.where(seq == begin_seq, begin_split, 0)
+            first_slot = tl.load(num_splits_ptr + seq)
+            num_pieces = tl.load(num_splits_ptr + seq + 1) - first_slot
+
+            q_row_ptr = q_ptr + seq64 * stride_q_b + q_token * stride_q_s + head * stride_q_h
+            q_nope = tl.load(q_row_ptr[:, None] + cols_v[None, :], mask=row_ok[:, None], other=0.0)
+            q_rope = tl.load(q_row_ptr[:, None] + cols_rope[None, :], mask=row_ok[:, None], other=0.0)
+            if DOT_F32:
+                q_nope = q_nope.to(tl.float32)
+                q_rope = q_rope.to(tl.float32)
+
+            # Last key each row may see: L - s_q + i for query token i when causal, else L - 1.
+            if CAUSAL:
+                last_key = length - s_q + q_token
+            else:
+                last_key = tl.zeros([BLOCK_M], dtype=tl.int32) + (length - 1)
+
+            row_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)   # log2 units
+            row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+
+            for start in range(lo, hi, BLOCK_N):
+                token = start + offs_n
+                token_ok = token < hi   # hi <= L: tokens past the length (NaN slots, -1 pages) are never loaded
+                page = tl.load(block_table_ptr + seq64 * stride_bt_b + token // PAGE, mask=token_ok, other=0)
+                kv_row_ptr = (k_ptr + page.to(tl.int64) * stride_k_block + (token % PAGE) * stride_k_pos
+                              + kv_head * stride_k_h)
+                # Masked rows load as 0 rather than whatever the slot holds, so P V never sees 0 * NaN.
+                kv = tl.load(kv_row_ptr[:, None] + cols_v[None, :], mask=token_ok[:, None], other=0.0)
+                k_rope = tl.load(kv_row_ptr[:, None] + cols_rope[None, :], mask=token_ok[:, None], other=0.0)
+                if DOT_F32:
+                    kv = kv.to(tl.float32)
+                    k_rope = k_rope.to(tl.float32)
+
+                # S = Q K^T over the 512 latent + 64 RoPE columns, in log2 units
+                s = tl.dot(q_rope, tl.trans(k_rope), tl.dot(q_nope, tl.trans(kv)))
+                s = s * scale_log2
+                visible = token_ok[None, :] & (token[None, :] <= last_key[:, None])
+                s = tl.where(visible, s, float("-inf"))
+
+                # Online softmax; a row that has seen no key yet keeps max -inf, so exponents use base 0.
+                new_max = tl.maximum(row_max, tl.max(s, axis=1))
+                base = tl.where(new_max == float("-inf"), 0.0, new_max)
+                p = tl.exp2(s - base[:, None])
+                rescale = tl.exp2(row_max - base)
+                row_sum = row_sum * rescale + tl.sum(p, axis=1)
+                # O += P V, V being the first D_V columns of the same cache rows
+                p = p.to(k_ptr.dtype.element_ty)       # the tensor cores take P in the cache's precision
+                if DOT_F32:
+                    p = p.to(tl.float32)
+                acc = tl.dot(p, kv, acc * rescale[:, None])
+                row_max = new_max
+
+            seen = row_sum > 0.0
+            safe_sum = tl.where(seen, row_sum, 1.0)
+            o = acc / safe_sum[:, None]                      # rows that saw no key: acc is 0, so o = 0
+            lse = tl.where(seen, (row_max + tl.log2(safe_sum)) / _LOG2E, float("-inf"))
+
+            if num_pieces == 1:
+                out_row_ptr = out_ptr + seq64 * stride_o_b + q_token * stride_o_s + head * stride_o_h
+                tl.store(out_row_ptr[:, None] + cols_v[None, :], o.to(out_ptr.dtype.element_ty),
+                         mask=row_ok[:, None])
+                tl.store(lse_ptr + seq64 * stride_lse_b + head * stride_lse_h + q_token * stride_lse_s, lse,
+                         mask=row_ok)
+            else:
+                slot = (first_slot + split_idx).to(tl.int64)
+                ws_row_ptr = o_ws_ptr + slot * stride_ws_slot + kv_head * stride_ws_h + r * stride_ws_row
+                tl.store(ws_row_ptr[:, None] + cols_v[None, :], o, mask=row_ok[:, None])
+                tl.store(lse_ws_ptr + slot * stride_lws_slot + kv_head * stride_lws_h + r, lse, mask=row_ok)
+
+    @triton.jit
+    def _combine_kernel(
+        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, num_splits_ptr,
+        stride_o_b, stride_o_s, stride_o_h,
+        stride_lse_b, stride_lse_h, stride_lse_s,
+        stride_ws_slot, stride_ws_h, stride_ws_row,
+        stride_lws_slot, stride_lws_h,
+        group, rows,
+        D_V: tl.constexpr, BLOCK_M: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        row_tile = tl.program_id(2)
+        first_slot = tl.load(num_splits_ptr + seq)
+        num_pieces = tl.load(num_splits_ptr + seq + 1) - first_slot
+        if num_pieces > 1:   # unsplit sequences were written by the split kernel
+            seq64 = tl.cast(seq, tl.int64)   # 64-bit offsets: big batches overflow int32
+            r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+            row_ok = r < rows
+            cols_v = tl.arange(0, D_V)
+            lse_ws_row_ptr = lse_ws_ptr + kv_head * stride_lws_h + r
+            o_ws_row_ptr = o_ws_ptr + kv_head * stride_ws_h + r * stride_ws_row
+
+            # lse = logsumexp_k lse_k, first its max so that every exponent is <= 0
+            max_lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+            for k in range(num_pieces):
+                slot = (first_slot + k).to(tl.int64)
+                lse_k = tl.load(lse_ws_row_ptr + slot * stride_lws_slot, mask=row_ok, other=float("-inf"))
+                max_lse = tl.maximum(max_lse, lse_k)
+            base = tl.where(max_lse == float("-inf"), 0.0, max_lse)   # a row no piece saw: all weights 0
+
+            # out = sum_k w_k O_k / sum_k w_k with w_k = exp(lse_k - max): the pieces' O_k are normalised
+            weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
+            for k in range(num_pieces):
+                slot = (first_slot + k).to(tl.int64)
+                lse_k = tl.load(lse_ws_row_ptr + slot * stride_lws_slot, mask=row_ok, other=float("-inf"))
+                w = tl.exp2((lse_k - base) * _LOG2E)
+                o_k = tl.load(o_ws_row_ptr[:, None] + slot * stride_ws_slot + cols_v[None, :],
+                              mask=row_ok[:, None], other=0.0)
+                weight_sum += w
+                acc += w[:, None] * o_k
+
+            seen = weight_sum > 0.0
+            safe_sum = tl.where(seen, weight_sum, 1.0)
+            o = acc / safe_sum[:, None]
+            lse = tl.where(seen, base + tl.log(safe_sum), float("-inf"))
+            q_token = r // group
+            head = kv_head * group + r % group
+            out_row_ptr = out_ptr + seq64 * stride_o_b + q_token * stride_o_s + head * stride_o_h
+            tl.store(out_row_ptr[:, None] + cols_v[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(lse_ptr + seq64 * stride_lse_b + head * stride_lse_h + q_token * stride_lse_s, lse, mask=row_ok)
+
+
+def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                      cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
+                      num_splits: torch.Tensor, softmax_scale: float,
+                      causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV MLA decoding with the Triton kernels. Arguments are validated by the caller
+    (flash_mla_with_kvcache); CPU tensors work under TRITON_INTERPRET=1 (tests)."""
+    if triton is None:
+        raise RuntimeError(f"flash_mla: {unavailable_reason(q.device)}")
+    b, s_q, h_q, d = q.shape
+    h_kv = k_cache.shape[2]
+    group = h_q // h_kv
+    rows = s_q * group
+    d_rope = d - head_dim_v
+    num_parts = tile_scheduler_metadata.shape[0]
+    device = q.device
+
+    out = torch.empty(b, s_q, h_q, head_dim_v, dtype=q.dtype, device=device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=device)
+    # Each part cuts at most one sequence, so there are at most b + num_parts pieces: a bound known without
+    # reading num_splits[-1] back to the host.
+    num_slots = b + num_parts
+    o_ws = torch.empty(num_slots, h_kv, rows, head_dim_v, dtype=torch.float32, device=device)
+    lse_ws = torch.empty(num_slots, h_kv, rows, dtype=torch.float32, device=device)
+
+    block_m = _row_block(rows)
+    _split_kv_kernel[(triton.cdiv(rows, block_m), h_kv, num_parts)](
+        q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+        out, lse, o_ws, lse_ws,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
+        lse_ws.stride(0), lse_ws.stride(1),
+        s_q, group, rows, softmax_scale * LOG2E,
+        CAUSAL=bool(causal), D_V=head_dim_v, D_ROPE=d_rope, PAGE=PAGE_BLOCK_SIZE,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, DOT_F32=_interpreted() and q.dtype == torch.bfloat16,
+        num_warps=SPLIT_NUM_WARPS[block_m], num_stages=SPLIT_NUM_STAGES,
+    )
+    _combine_kernel[(b, h_kv, triton.cdiv(rows, COMBINE_BLOCK_M))](
+        out, lse, o_ws, lse_ws, num_splits,
+        out.stride(0), out.stride(1), out.stride(2),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
+        lse_ws.stride(0), lse_ws.stride(1),
+        group, rows,
+        D_V=head_dim_v, BLOCK_M=COMBINE_BLOCK_M,
+        num_warps=COMBINE_NUM_WARPS,
+    )
+    return out, lse
