@@ -187,6 +187,13 @@ struct SplitKvKernel {
       cutlass::arch::fence_view_async_shared();   // cp.async wrote through the generic proxy; WGMMA reads async
       barrier_sync<kThreads>(SplitKvBarrier::kPageLanded);
 
+      // Both warpgroups finished O += P V of page i - 1 before arriving here: its stage takes page i + 1 now,
+      // so the copy overlaps all of page i's math.
+      if (i + 1 < num_pages) {
+        load_page(p, smem.k[stage ^ 1].data(), piece.seq, kv_head, page_start + kBlockN, piece.end);
+      }
+      cp_async_commit();
+
       // S = Q K^T over this warpgroup's 32 keys of the page
       Tensor sK = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutK{});   // (BLK_N, D_QK)
       Tensor tSrK = thr_mma_s.partition_fragment_B(local_tile(sK, Shape<KeysPerWg, Int<kHeadDimQK>>{},
@@ -211,12 +218,6 @@ struct SplitKvKernel {
         if (quad_leader) smem.row_max[warpgroup][get<0>(tScS(r, 0))] = m;
       }
       barrier_sync<kThreads>(SplitKvBarrier::kRowMaxExchanged);
-
-      // Both warpgroups are past their O += P V of page i - 1: its stage can take page i + 1 now.
-      if (i + 1 < num_pages) {
-        load_page(p, smem.k[stage ^ 1].data(), piece.seq, kv_head, page_start + kBlockN, piece.end);
-      }
-      cp_async_commit();
 
       // Online softmax: P = exp2(S * scale - m), rescale O and the row sums by exp2(m_old - m).
       CUTE_UNROLL
