@@ -46,11 +46,17 @@ def cuda_skip_reason():
     return None
 
 
+BUILD_NOTE = ROOT / "flash_mla" / "_build_note.txt"   # read by flash_mla.backends to explain a missing extension
+
+
 def extensions():
     reason = cuda_skip_reason()
     if reason is not None:
-        log(f"skipping the CUDA extension ({reason}); installing the pure-Python package (CPU and Triton backends)")
+        note = f"the CUDA extension was not built: {reason}"
+        log(f"{note}; installing the pure-Python package (CPU and Triton backends)")
+        BUILD_NOTE.write_text(note + "\n")
         return [], {}
+    BUILD_NOTE.unlink(missing_ok=True)
     from torch.utils.cpp_extension import BuildExtension, CUDAExtension, CUDA_HOME
 
     kernels = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "kernels").glob("*.cu"))

@@ -21,6 +21,7 @@ import torch
 
 from . import __version__
 from .backends import BACKENDS, select_backend
+from .backends import _unavailable_reason as unavailable_reason
 from .interface import flash_mla_with_kvcache, get_mla_metadata
 from .testing import COS_TOLERANCE, TOLERANCE, compare, make_decode_batch, random_seqlens, reference_for
 
@@ -137,6 +138,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
     print(f"flash_mla {__version__}  backend: {backend}  device: {where}  (torch {torch.__version__})")
+    if backend != "cuda":
+        print(f"note      cuda backend unavailable: {unavailable_reason('cuda', torch.device('cuda'))}")
     print(f"shapes    q {tuple(batch.q.shape)}  k_cache {tuple(batch.k_cache.shape)}  "
           f"out {tuple(out.shape)}  {args.dtype}  {'causal' if args.causal else 'non-causal'}")
     print(f"lengths   b={b} {'fixed' if args.fixed else 'varlen'} mean {total / b:.0f}  "

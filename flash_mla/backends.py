@@ -31,6 +31,15 @@ def _import(module: str):
         return None, str(e)
 
 
+def _build_note() -> Optional[str]:
+    """What setup.py recorded when it skipped the CUDA build, if it did."""
+    try:
+        with open(os.path.join(os.path.dirname(__file__), "_build_note.txt")) as f:
+            return f.read().strip()
+    except OSError:
+        return None
+
+
 def cuda_extension():
     """The compiled extension module, or None when the package was installed without it."""
     return _import("flash_mla._cuda")[0]
@@ -45,7 +54,9 @@ def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     if backend == "cuda":
         ext, why = _import("flash_mla._cuda")
         if ext is None:
-            return f"the CUDA extension flash_mla._cuda is not built ({why}); reinstall on a machine with nvcc"
+            note = _build_note()
+            return (f"the CUDA extension flash_mla._cuda is not available ({note or why}); "
+                    "reinstall with nvcc and a CUDA build of PyTorch: pip install --no-build-isolation -e .")
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
             return f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
