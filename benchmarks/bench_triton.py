@@ -2,8 +2,8 @@
 
     python benchmarks/bench_triton.py [--means 4096 8192] [--h-q 16 64 128] [--s-q 1 2] [--fixed]
 
-Prints per row: time (median of CUDA-event timings), GB/s and TFLOP/s as SPEC.md defines them, and the
-split kernel's registers / spills (to tune the constants at the top of flash_mla/triton_backend.py).
+Prints per row: time (median of CUDA-event timings), GB/s and TFLOP/s as SPEC.md defines them.
+benchmarks/tune_triton.py sweeps the Triton kernel's tuning constants.
 """
 from __future__ import annotations
 
@@ -31,16 +31,6 @@ def time_ms(fn, iters: int = 30, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def split_kernel_resources() -> str:
-    """Registers and spills of the compiled split kernels (Triton's cache layout varies between versions)."""
-    try:
-        caches = tb._split_kv_kernel.device_caches
-        kernels = [k for cache in caches.values() for k in cache[0].values()]
-        return " ".join(f"regs={k.n_regs} spills={k.n_spills}" for k in kernels[-1:])
-    except Exception as e:  # informational only
-        return f"(resources unavailable: {type(e).__name__})"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--b", type=int, default=128)
@@ -53,7 +43,7 @@ def main() -> None:
 
     dtype = torch.bfloat16
     print(f"device: {torch.cuda.get_device_name()}  triton {tb.triton.__version__}")
-    print(f"{'backend':>7} {'mean':>6} {'h_q':>4} {'s_q':>3} {'ms':>8} {'GB/s':>7} {'TFLOP/s':>8}  resources")
+    print(f"{'backend':>7} {'mean':>6} {'h_q':>4} {'s_q':>3} {'ms':>8} {'GB/s':>7} {'TFLOP/s':>8}")
     for mean in args.means:
         for h_q in args.h_q:
             for s_q in args.s_q:
@@ -75,9 +65,8 @@ def main() -> None:
                     except RuntimeError as e:
                         print(f"{backend:>7} skipped: {e}")
                         continue
-                    res = split_kernel_resources() if backend == "triton" else ""
                     print(f"{backend:>7} {mean:>6} {h_q:>4} {s_q:>3} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f} "
-                          f"{flops / ms / 1e9:>8.1f}  {res}", flush=True)
+                          f"{flops / ms / 1e9:>8.1f}", flush=True)
                 del batch
 
 

@@ -139,7 +139,12 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     print(f"flash_mla {__version__}  backend: {backend}  device: {where}  (torch {torch.__version__})")
     if backend != "cuda":
-        print(f"note      cuda backend unavailable: {unavailable_reason('cuda', torch.device('cuda'))}")
+        try:
+            why = unavailable_reason("cuda", torch.device("cuda"))
+        except (RuntimeError, AssertionError) as e:   # no CUDA driver / device at all
+            why = str(e)
+        if why:
+            print(f"note      cuda backend unavailable: {why}")
     print(f"shapes    q {tuple(batch.q.shape)}  k_cache {tuple(batch.k_cache.shape)}  "
           f"out {tuple(out.shape)}  {args.dtype}  {'causal' if args.causal else 'non-causal'}")
     print(f"lengths   b={b} {'fixed' if args.fixed else 'varlen'} mean {total / b:.0f}  "

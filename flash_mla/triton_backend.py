@@ -25,6 +25,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .scheduler import METADATA_WIDTH, PAGE_BLOCK_SIZE
+
 try:
     import triton
     import triton.language as tl
@@ -34,24 +36,29 @@ except ImportError as e:  # Triton is an optional dependency
     tl = None
     _TRITON_IMPORT_ERROR = str(e)
 
-PAGE_BLOCK_SIZE = 64          # tokens per KV-cache page (SPEC.md)
 LOG2E = math.log2(math.e)     # exp(x) = exp2(x * LOG2E): scores are kept in log2 units
-METADATA_WIDTH = 8            # int32 words per SM part in tile_scheduler_metadata
 
-# ---- tuning knobs (to be tuned on the H100) ----------------------------------------------------------------
+# ---- tuning knobs ------------------------------------------------------------------------------------------
+# Measured on the H100 (Triton 3.6, b = 128, L = 8192, causal, bf16; benchmarks/tune_triton.py):
+# h_q 16 s_q 1 ~2000 GB/s, h_q 16 s_q 2 ~1600 GB/s, h_q 64 s_q 1 ~1460 GB/s, h_q 128 s_q 1 ~205 TFLOP/s.
+#
 # Keys per inner-loop step. 64 = one page; any power of two works (the block table is looked up per token).
 # The K tile (BLOCK_N x 576 half) is the dot operand both for S = Q K^T and, its first 512 columns, for
-# O += P V, so it is loaded once per step; larger tiles mean fewer softmax rescales but more shared memory.
+# O += P V, so it is loaded once per step. 64 beat 32 at every row count measured (fewer rescales, longer
+# bursts per gathered page).
 BLOCK_N = 64
 # Query rows per program: the M of tl.dot. Rows of one KV head (s_q * h_q / h_kv of them) are tiled by the
-# smallest power of two that holds them, between 16 (tl.dot's minimum M) and MAX_BLOCK_M: every extra row
-# tile re-reads the cache, but the float32 accumulator (BLOCK_M x 512) has to fit in registers.
+# smallest power of two that holds them, between 16 (tl.dot's minimum M) and MAX_BLOCK_M. Every extra row
+# tile re-reads the cache, which cost more than the float32 accumulator's (BLOCK_M x 512) register spills:
+# 128 rows ran 2.3x faster as 2 tiles of 64 than as 8 tiles of 16.
 MIN_BLOCK_M = 16
 MAX_BLOCK_M = 64
-# Warps per split-kernel program, by BLOCK_M: more rows -> bigger accumulator -> more warps to hold it.
-SPLIT_NUM_WARPS = {16: 4, 32: 4, 64: 8}
+# Warps per split-kernel program, by BLOCK_M: 8 warps hold the accumulator without spilling at BLOCK_M 16
+# (4 warps spilled and ran ~7% slower); 16 warps were slower at 128 rows, whatever the BLOCK_M.
+SPLIT_NUM_WARPS = {16: 8, 32: 8, 64: 8}
 # Software-pipelining depth of the key loop: 2 overlaps the next tile's (gathered) load with this tile's
-# math; each stage holds a BLOCK_N x 576 tile in shared memory (72 KiB at BLOCK_N = 64).
+# math; each stage holds a BLOCK_N x 576 tile in shared memory (72 KiB at BLOCK_N = 64). 1 stage was
+# ~30% slower, 3 no faster.
 SPLIT_NUM_STAGES = 2
 # Combine kernel: rows per program and warps. It only streams n_pieces x rows x 512 float32 once.
 COMBINE_BLOCK_M = 16
@@ -106,7 +113,7 @@ if triton is not None:
         stride_lws_slot, stride_lws_h,                # lse workspace (slot, h_kv, rows), last dim contiguous
         s_q, group, rows, scale_log2,
         CAUSAL: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, PAGE: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        META_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     ):
         row_tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -114,7 +121,7 @@ if triton is not None:
 
         # This SM part's pieces: tokens [begin_token, ...) of begin_seq up to [..., end_token) of end_seq.
         # An idle part has begin_seq = b > end_seq, so the sequence loop below does not run.
-        meta = metadata_ptr + part * 8
+        meta = metadata_ptr + part * META_WIDTH
         begin_seq = tl.load(meta + 0)
         begin_token = tl.load(meta + 1)
         end_seq = tl.load(meta + 2)
@@ -295,7 +302,7 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
         s_q, group, rows, softmax_scale * LOG2E,
-        CAUSAL=bool(causal), D_V=head_dim_v, D_ROPE=d_rope, PAGE=PAGE_BLOCK_SIZE,
+        CAUSAL=bool(causal), D_V=head_dim_v, D_ROPE=d_rope, PAGE=PAGE_BLOCK_SIZE, META_WIDTH=METADATA_WIDTH,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, DOT_F32=_interpreted() and q.dtype == torch.bfloat16,
         num_warps=SPLIT_NUM_WARPS[block_m], num_stages=SPLIT_NUM_STAGES,
     )
