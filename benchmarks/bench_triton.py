@@ -42,6 +42,7 @@ def main() -> None:
     args = ap.parse_args()
 
     dtype = torch.bfloat16
+    backends = list(args.backends)
     print(f"device: {torch.cuda.get_device_name()}  triton {tb.triton.__version__}")
     print(f"{'backend':>7} {'mean':>6} {'h_q':>4} {'s_q':>3} {'ms':>8} {'GB/s':>7} {'TFLOP/s':>8}")
     for mean in args.means:
@@ -55,15 +56,16 @@ def main() -> None:
                 total = sum(lengths)
                 flops = 2 * s_q * total * h_q * (HEAD_DIM_QK + HEAD_DIM_V)
                 nbytes = 2 * (total * HEAD_DIM_QK + args.b * s_q * h_q * HEAD_DIM_QK + args.b * s_q * h_q * HEAD_DIM_V)
-                for backend in args.backends:
+                for backend in list(backends):
                     def step():
                         return flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table,
                                                       batch.cache_seqlens, HEAD_DIM_V, metadata, num_splits,
                                                       causal=True, backend=backend)
                     try:
                         ms = time_ms(step)
-                    except RuntimeError as e:
+                    except RuntimeError as e:   # backend unavailable here: say so once, then leave it out
                         print(f"{backend:>7} skipped: {e}")
+                        backends.remove(backend)
                         continue
                     print(f"{backend:>7} {mean:>6} {h_q:>4} {s_q:>3} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f} "
                           f"{flops / ms / 1e9:>8.1f}", flush=True)
