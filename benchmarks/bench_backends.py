@@ -16,8 +16,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 import flash_mla  # noqa: E402
-from flash_mla.testing import assert_close, compare, make_decode_batch, random_seqlens  # noqa: E402
-from test_flash_mla import flops_and_bytes, reference_sweep, time_decode  # noqa: E402
+from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,  # noqa: E402
+                               random_seqlens)
+from test_flash_mla import reference_sweep, time_decode  # noqa: E402
 
 
 def main():
@@ -35,7 +36,7 @@ def main():
         batch = make_decode_batch(seqlens, s_q=row["s_q"], h_q=row["h_q"], device="cuda", causal=True,
                                   generator=torch.Generator().manual_seed(i))
         md, ns = flash_mla.get_mla_metadata(batch.cache_seqlens, row["s_q"] * row["h_q"], 1)
-        flops, nbytes = flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
+        flops, nbytes = decode_flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
         memory_bound = row["h_q"] * row["s_q"] <= 64
         base, first = None, None
         for backend in backends:

@@ -5,31 +5,20 @@ device-to-device copy bandwidth (bytes read + written) and bf16 8192^3 matmul th
 """
 from __future__ import annotations
 
-import statistics
+import os
+import sys
 
 import torch
 
-
-def median_time(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of fn() over `reps` runs, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from flash_mla.testing import cuda_median_seconds  # noqa: E402
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """GB/s of a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randn(nbytes // 4, device="cuda")
     dst = torch.empty_like(src)
-    t = median_time(lambda: dst.copy_(src))
+    t = cuda_median_seconds(lambda: dst.copy_(src), reps=20, calls_per_rep=1)
     return 2 * nbytes / t / 1e9
 
 
@@ -37,7 +26,7 @@ def matmul_tflops(n: int = 8192) -> float:
     """TFLOP/s of a bf16 n x n x n matmul on random data."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    t = median_time(lambda: a @ b)
+    t = cuda_median_seconds(lambda: a @ b, reps=20, calls_per_rep=1)
     return 2 * n ** 3 / t / 1e12
 
 

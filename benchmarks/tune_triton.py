@@ -16,9 +16,8 @@ import torch
 
 import flash_mla.triton_backend as tb
 from flash_mla import get_mla_metadata
-from flash_mla.testing import HEAD_DIM_QK, HEAD_DIM_V, make_decode_batch, random_seqlens
+from flash_mla.testing import HEAD_DIM_QK, HEAD_DIM_V, cuda_median_seconds, make_decode_batch, random_seqlens
 
-from bench_triton import time_ms
 
 
 def compiled_split_kernels() -> list:
@@ -67,7 +66,7 @@ def main() -> None:
                 compiled = compiled_split_kernels()
                 if len(compiled) > before:            # this configuration compiled a new variant: record it
                     resources[bm, bn, warps, stages] = f"{compiled[-1].n_regs:>4} {compiled[-1].n_spills:>6}"
-                ms = time_ms(step, iters=20)
+                ms = cuda_median_seconds(step, reps=20) * 1e3
             except Exception as e:  # a configuration the compiler rejects (shared memory, ...)
                 print(f"{bm:>3} {bn:>3} {warps:>5} {stages:>6}  failed: {type(e).__name__}: {str(e)[:80]}")
                 continue

@@ -23,7 +23,8 @@ from . import __version__
 from .backends import BACKENDS, select_backend
 from .backends import _unavailable_reason as unavailable_reason
 from .interface import flash_mla_with_kvcache, get_mla_metadata
-from .testing import COS_TOLERANCE, TOLERANCE, compare, make_decode_batch, random_seqlens, reference_for
+from .testing import (COS_TOLERANCE, TOLERANCE, compare, cuda_median_seconds, decode_flops_and_bytes,
+                      make_decode_batch, random_seqlens, reference_for)
 
 HEAD_DIM_QK, HEAD_DIM_V = 576, 512
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -69,24 +70,15 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
 
 
 def time_decode(fn, device: torch.device, runs: int) -> float:
-    """Median wall time of fn() in seconds: CUDA events on the current stream, or perf_counter on the CPU."""
-    fn()                                                  # warm-up: compilation, allocator, caches
-    times = []
+    """Median seconds per fn() call: CUDA events around back-to-back calls, or perf_counter on the CPU."""
     if device.type == "cuda":
-        for _ in range(2):
-            fn()
-        for _ in range(runs):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-    else:
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
+        return cuda_median_seconds(fn, reps=runs)
+    fn()                                                  # warm-up: allocator, caches
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
@@ -132,8 +124,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     total = sum(seqlens)
     b, s_q, h_q, h_kv = args.batch, args.seqlen_q, args.heads, args.kv_heads
-    flops = 2 * s_q * total * h_q * (HEAD_DIM_QK + HEAD_DIM_V)
-    nbytes = 2 * (total * h_kv * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_V)
+    flops, nbytes = decode_flops_and_bytes(seqlens, s_q, h_q, h_kv)
     pieces = (num_splits[1:] - num_splits[:-1]).cpu()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
-from typing import Dict, Optional, Sequence
+from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
@@ -122,3 +123,29 @@ def assert_close(metrics: Dict[str, float], dtype: torch.dtype, what: str = "") 
     assert metrics["out_rel_l2"] < tol, f"{what}: out error {metrics}"
     assert metrics["lse_rel_l2"] < tol, f"{what}: lse error {metrics}"
     assert metrics["cos_diff"] < COS_TOLERANCE, f"{what}: cosine difference {metrics}"
+
+
+def cuda_median_seconds(fn: Callable[[], object], reps: int = 15, calls_per_rep: int = 10, warmup: int = 3) -> float:
+    """Median seconds per fn() call on the current CUDA stream. Each timed rep runs `calls_per_rep` calls back to
+    back between one pair of events, so the GPU queue stays full and host-side overhead (Python validation,
+    launches) overlaps the kernels instead of adding to them, as in a serving engine's decode loop."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls_per_rep):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / calls_per_rep)
+    return statistics.median(times)
+
+
+def decode_flops_and_bytes(seqlens: Sequence[int], s_q: int, h_q: int, h_kv: int):
+    """SPEC.md "Targets": FLOPs = 2 s_q sum(L) h_q (576 + 512); bytes = the cache once + q + out (2-byte types)."""
+    total, b = sum(int(L) for L in seqlens), len(seqlens)
+    flops = 2 * s_q * total * h_q * (HEAD_DIM_QK + HEAD_DIM_V)
+    nbytes = 2 * (total * h_kv * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_V)
+    return flops, nbytes

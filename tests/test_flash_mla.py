@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 
 import pytest
@@ -24,8 +23,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import flash_mla  # noqa: E402
 from flash_mla.backends import cuda_extension  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
-from flash_mla.testing import (assert_close, compare, make_decode_batch, poison_cuda_allocator,  # noqa: E402
-                               random_seqlens, reference_for)
+from flash_mla.testing import (assert_close, compare, cuda_median_seconds, decode_flops_and_bytes,  # noqa: E402
+                               make_decode_batch, poison_cuda_allocator, random_seqlens, reference_for)
 
 
 def _hopper_reason():
@@ -61,33 +60,10 @@ def run_case(seqlens, s_q, h_q, h_kv=1, causal=True, dtype=torch.bfloat16, seed=
     return batch, (metadata, num_splits), out, lse, compare(out, lse, ref_out, ref_lse)
 
 
-def time_decode(batch, metadata, num_splits, reps=15, calls_per_rep=10, backend=None):
-    """Median seconds per flash_mla_with_kvcache call (metadata outside). Each timed rep launches
-    `calls_per_rep` calls back to back, so the GPU queue stays full and Python's per-call overhead overlaps the
-    kernels instead of adding to them (as in a serving engine's decode step)."""
+def time_decode(batch, metadata, num_splits, backend=None):
+    """Median seconds per flash_mla_with_kvcache call (metadata outside), calls back to back."""
     args = (batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, metadata, num_splits)
-    kwargs = dict(causal=batch.causal, backend=backend)
-    for _ in range(3):
-        flash_mla.flash_mla_with_kvcache(*args, **kwargs)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls_per_rep):
-            flash_mla.flash_mla_with_kvcache(*args, **kwargs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls_per_rep)
-    return statistics.median(times)
-
-
-def flops_and_bytes(seqlens, s_q, h_q, h_kv):
-    """SPEC.md "Targets": FLOPs = 2 s_q sum(L) h_q (576 + 512); bytes = cache once + q + out (2-byte types)."""
-    total = sum(seqlens)
-    b = len(seqlens)
-    flops = 2 * s_q * total * h_q * (576 + 512)
-    nbytes = 2 * (total * h_kv * 576 + b * s_q * h_q * 576 + b * s_q * h_q * 512)
-    return flops, nbytes
+    return cuda_median_seconds(lambda: flash_mla.flash_mla_with_kvcache(*args, causal=batch.causal, backend=backend))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -186,7 +162,7 @@ def main():
             failures += 1
         del out, lse
         t = time_decode(batch, md, ns)
-        flops, nbytes = flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
+        flops, nbytes = decode_flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
         print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {str(row['varlen']):>6} {t * 1e6:>9.1f} "
               f"{flops / t / 1e12:>8.1f} {nbytes / t / 1e9:>7.0f} {metrics['out_rel_l2']:>9.2e} "
               f"{metrics['lse_rel_l2']:>9.2e} {metrics['cos_diff']:>9.2e} {verdict}", flush=True)
