@@ -26,7 +26,7 @@ from .interface import flash_mla_with_kvcache, get_mla_metadata
 from .testing import (COS_TOLERANCE, TOLERANCE, compare, cuda_median_seconds, decode_flops_and_bytes,
                       make_decode_batch, random_seqlens, reference_for)
 
-HEAD_DIM_QK, HEAD_DIM_V = 576, 512
+from ._validation import HEAD_DIM_V
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULTS = {  # per device: batch, mean length, h_q, s_q, timed runs
     "cuda": dict(batch=128, seqlen=4096, heads=128, seqlen_q=1, runs=20),

@@ -11,8 +11,6 @@ from typing import Optional, Tuple
 
 import torch
 
-PAGE_BLOCK_SIZE = 64
-
 
 def gather_sequence_cache(k_cache: torch.Tensor, block_table: torch.Tensor, seq: int, length: int) -> torch.Tensor:
     """The first `length` tokens of sequence `seq`, in order: (length, h_kv, d)."""

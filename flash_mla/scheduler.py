@@ -13,7 +13,8 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-PAGE_BLOCK_SIZE = 64          # tokens per KV-cache page; the scheduler's unit of work
+from ._validation import PAGE_BLOCK_SIZE  # tokens per KV-cache page: the scheduler's unit of work
+
 FIXED_OVERHEAD = 5            # block-equivalents charged per sequence piece
 ROWS_PER_TILE = 64            # query rows one CTA processes (the WGMMA M dimension)
 METADATA_WIDTH = 8            # int32 words per SM part in tile_scheduler_metadata

@@ -10,8 +10,7 @@ import torch
 
 from .reference import mla_decode_reference
 
-PAGE_BLOCK_SIZE = 64
-HEAD_DIM_QK, HEAD_DIM_V = 576, 512
+from ._validation import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE  # noqa: F401  (re-exported for tests)
 
 
 @dataclass
