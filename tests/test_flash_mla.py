@@ -109,7 +109,20 @@ def test_all_empty_sequences():
 
 
 @needs_hopper
-@pytest.mark.parametrize("b", [1, 4096])
+@pytest.mark.parametrize("rows,h_kv", [(16, 1), (256, 1), (64, 2)])
+def test_metadata_kernel_large_batches(rows, h_kv):
+    """The device scheduler equals the Python twin at batch sizes past upstream's 4096 limit."""
+    gen = torch.Generator().manual_seed(rows)
+    for b in (4097, 16384, 20000):
+        seqlens = torch.randint(0, 200_000, (b,), generator=gen, dtype=torch.int32)
+        seqlens[::7] = 0
+        md, ns = flash_mla.get_mla_metadata(seqlens.cuda(), rows, h_kv)
+        twin_md, twin_ns = get_mla_metadata_twin(seqlens, rows, h_kv, torch.cuda.get_device_properties(0).multi_processor_count)
+        assert torch.equal(md.cpu(), twin_md) and torch.equal(ns.cpu(), twin_ns), f"b={b}"
+
+
+@needs_hopper
+@pytest.mark.parametrize("b", [1, 4096, 16384])
 def test_batch_sizes(b):
     gen = torch.Generator().manual_seed(b)
     seqlens = [int(x) for x in torch.randint(0, 300 if b > 1 else 20000, (b,), generator=gen)]
