@@ -16,7 +16,8 @@ import torch
 
 import flash_mla.triton_backend as tb
 from flash_mla import get_mla_metadata
-from flash_mla.testing import HEAD_DIM_QK, HEAD_DIM_V, cuda_median_seconds, make_decode_batch, random_seqlens
+from flash_mla.testing import (HEAD_DIM_QK, HEAD_DIM_V, cuda_median_seconds, decode_flops_and_bytes,
+                               make_decode_batch, random_seqlens)
 
 
 
@@ -44,9 +45,7 @@ def main() -> None:
         lengths = random_seqlens(args.b, args.mean, s_q, varlen=False, generator=g)
         batch = make_decode_batch(lengths, s_q=s_q, h_q=h_q, device="cuda", causal=True, generator=g)
         metadata, num_splits = get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1)
-        total = sum(lengths)
-        flops = 2 * s_q * total * h_q * (HEAD_DIM_QK + HEAD_DIM_V)
-        nbytes = 2 * (total * HEAD_DIM_QK + args.b * s_q * h_q * (HEAD_DIM_QK + HEAD_DIM_V))
+        flops, nbytes = decode_flops_and_bytes(lengths, s_q, h_q, 1)
         print(f"\nh_q={h_q} s_q={s_q} b={args.b} L={args.mean}")
         print(f"{'BM':>3} {'BN':>3} {'warps':>5} {'stages':>6} {'ms':>8} {'GB/s':>7} {'TFLOP/s':>8}  regs spills")
         for bm, bn, warps, stages in itertools.product(args.block_m, args.block_n, args.warps, args.stages):

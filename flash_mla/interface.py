@@ -3,7 +3,6 @@ FlashMLA's dense decoding API. Validation happens here, before any backend is ch
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
