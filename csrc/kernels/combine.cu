@@ -1,6 +1,9 @@
 // Combine kernel: merges the fp32 partial results of split sequences, SPEC.md "Kernels" (3):
 //   lse = log sum_k exp(lse_k),   out = sum_k exp(lse_k - lse) * O_k
 // One warp per packed query row; unsplit sequences were written by the split kernel and are skipped.
+// Launched as a programmatic dependent of the split kernel (PDL): its CTAs are scheduled while the split kernel
+// still runs and wait in griddepcontrol.wait until that grid has finished and its writes are visible, which
+// hides the launch latency between the two kernels.
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -27,6 +30,9 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   const int seq = blockIdx.x, kv_head = blockIdx.y;
   const int row = blockIdx.z * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  // Everything below reads what the split kernel wrote (num_splits came from an earlier, finished kernel, but
+  // it is simplest to wait first: the wait costs nothing once the split kernel is done).
+  cudaGridDependencySynchronize();
   const int first_slot = p.num_splits[seq];
   const int num_pieces = p.num_splits[seq + 1] - first_slot;
   if (num_pieces <= 1 || row >= p.rows_per_kv) return;
@@ -74,8 +80,17 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
 
 template <class Element>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  const dim3 grid(p.batch, p.num_heads_k, (p.rows_per_kv + kWarps - 1) / kWarps);
-  mla_combine_kernel<Element><<<grid, kWarps * 32, 0, stream>>>(p);
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(p.batch, p.num_heads_k, (p.rows_per_kv + kWarps - 1) / kWarps);
+  config.blockDim = dim3(kWarps * 32);
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = p.combine_pdl ? 1 : 0;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, p);
 }
 
 }  // namespace

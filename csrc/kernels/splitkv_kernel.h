@@ -35,7 +35,7 @@ struct Piece {
   int slot;
 };
 
-template <class Traits>
+template <class Traits, bool kRefillBehindS>
 struct SplitKvKernel {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
@@ -47,70 +47,90 @@ struct SplitKvKernel {
 
   // ===================================== copies (global -> shared) ===========================================
 
-  // Both tiles (64 rows x 576) are copied in 16-byte chunks with one fixed thread mapping: thread t owns chunk
-  // t % 8 of each 128-byte row segment, rows t / 8 and t / 8 + 32, all 9 segments. Only the first address is
-  // computed through the swizzled layout: moving by 32 rows or one 64-column segment adds a constant that
-  // leaves the swizzle bits alone, so the 18 copies need two base addresses, not 18.
-  static constexpr int kCopyRowStep = kThreads / 8;                 // 32 rows
-  static constexpr int kCopyRowIters = kBlockM / kCopyRowStep;      // 2
+  // Tiles are 64 rows x 576 columns, copied in 16-byte chunks: 8 chunks fill one 128-byte row segment of a
+  // swizzle atom (64 columns), and there are 9 segments. Only the first address of a thread is computed through
+  // the swizzled layout: moving by a multiple of 8 rows or by whole 64-column segments adds a constant that
+  // leaves the swizzle bits alone.
   static constexpr int kSegment = 128 / sizeof(Element);            // 64 columns: one swizzle atom row
   static constexpr int kSegments = kHeadDimQK / kSegment;           // 9
-  static_assert(kBlockM == kBlockN, "Q tiles and K pages share the copy mapping");
+  static constexpr int kSegmentElems = kBlockN * kSegment;          // one 64 x 64 column block of a tile
+  static_assert(kBlockM == kBlockN, "Q tiles and K pages share the swizzled layout");
   static_assert(kSegment == 8 * kVec, "8 chunks of 16 bytes per swizzle atom row");
+  static_assert(decltype(cute::cosize(typename Traits::SmemLayoutK{}))::value == kBlockN * kHeadDimQK, "dense tile");
 
+  // Address of chunk `chunk` of row `row` in segment 0; add row_step * kSegment per `row_step` rows (row_step a
+  // multiple of 8) and kSegmentElems per segment.
   template <class SmemTensor>
-  __device__ static Element* copy_dst(SmemTensor& sX, int h, int d) {
-    using namespace cute;
-    // sX(r + 32h, c + 64d) == sX(r, c) + 32h * 64 + d * 64 * 64: both steps are whole 8 x 64 swizzle atoms.
-    static_assert(decltype(cosize(typename Traits::SmemLayoutK{}))::value == kBlockN * kHeadDimQK, "dense tile");
-    const int r = threadIdx.x / 8, c = threadIdx.x % 8 * kVec;
-    return &sX(r, c) + h * kCopyRowStep * kSegment + d * kBlockN * kSegment;
+  __device__ static Element* chunk_dst(SmemTensor& sX, int row, int chunk) {
+    return &sX(row, chunk * kVec);
   }
 
-  // Q tile: rows [64 * m_tile, 64 * m_tile + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
+  // Q tile (all 256 threads): rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are
+  // zero. Thread t owns chunk t % 8 of rows t / 8 and t / 8 + 32, all 9 segments.
   __device__ static void load_q_tile(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
     using namespace cute;
+    constexpr int kRowStep = kThreads / 8;                          // 32 rows
     Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});   // (BLK_M, D_QK)
     const Element* q = static_cast<const Element*>(p.q);
+    Element* dst0 = chunk_dst(sQ, threadIdx.x / 8, threadIdx.x % 8);
     CUTE_UNROLL
-    for (int h = 0; h < kCopyRowIters; ++h) {
-      const int row = m_tile * kBlockM + threadIdx.x / 8 + h * kCopyRowStep;
+    for (int h = 0; h < kBlockM / kRowStep; ++h) {
+      const int row = m_tile * kBlockM + threadIdx.x / 8 + h * kRowStep;
       const bool valid = row < p.rows_per_kv;
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
       const Element* src = valid ? q + seq * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride +
                                        threadIdx.x % 8 * kVec
                                  : q;
       CUTE_UNROLL
-      for (int d = 0; d < kSegments; ++d) cp_async_16_zfill(copy_dst(sQ, h, d), src + d * kSegment, valid);
+      for (int d = 0; d < kSegments; ++d) {
+        cp_async_16_zfill(dst0 + h * kRowStep * kSegment + d * kSegmentElems, src + d * kSegment, valid);
+      }
     }
   }
 
-  // One page: tokens [page_start, page_start + 64) of the sequence; tokens at or past `end` are zero-filled and
-  // never read (the page's block-table entry is read only because page_start < end).
-  __device__ static void load_page(const DecodeParams& p, Element* smem_page, int seq, int kv_head, int page_start,
-                                   int end) {
+  // This warpgroup's share of one page: tokens [page_start, page_start + 64) of the sequence. A page is split
+  // by column segment so that each warpgroup overwrites only bytes that nothing but itself still reads when it
+  // refills a stage: warpgroup 0 copies V columns [0, 256) (segments 0-3, read by its own P V only), warpgroup 1
+  // the other V columns and the RoPE columns (segments 4-8). S of the stage's previous page finished in both
+  // warpgroups before the P exchange, so "my P V is done" is all a warpgroup must know before refilling.
+  // Tokens at or past `end` are zero-filled and never read; `block` is the page's block-table entry (read by
+  // the caller, early, so that its latency is not paid at issue time; read only when page_start < end).
+  static constexpr int kSegmentsOfWg0 = Traits::kColsPerWarpgroup / kSegment;                // 4
+  static constexpr int kSegmentsOfWg1 = kSegments - kSegmentsOfWg0;                          // 5
+  __device__ static int64_t page_block(const DecodeParams& p, int seq, int page_start) {
+    return p.block_table[seq * p.block_table_stride + page_start / kPageBlockSize];
+  }
+  __device__ static void load_page_share(const DecodeParams& p, Element* smem_page, int64_t block, int kv_head,
+                                         int page_start, int end, int warpgroup, int wg_thread) {
     using namespace cute;
+    constexpr int kRowStep = 128 / 8;                               // 16 rows per pass of a warpgroup
     Tensor sK = make_tensor(make_smem_ptr(smem_page), typename Traits::SmemLayoutK{});        // (BLK_N, D_QK)
     const Element* cache = static_cast<const Element*>(p.k_cache);
-    const int64_t block = p.block_table[seq * p.block_table_stride + page_start / kPageBlockSize];
+    const int first_segment = warpgroup * kSegmentsOfWg0;
+    Element* dst0 = chunk_dst(sK, wg_thread / 8, wg_thread % 8) + first_segment * kSegmentElems;
     CUTE_UNROLL
-    for (int h = 0; h < kCopyRowIters; ++h) {
-      const int r = threadIdx.x / 8 + h * kCopyRowStep;
+    for (int h = 0; h < kBlockN / kRowStep; ++h) {
+      const int r = wg_thread / 8 + h * kRowStep;
       const bool valid = page_start + r < end;
       const Element* src = valid ? cache + block * p.k_block_stride + r * p.k_token_stride + kv_head * p.k_head_stride +
-                                       threadIdx.x % 8 * kVec
+                                       wg_thread % 8 * kVec + first_segment * kSegment
                                  : cache;
       CUTE_UNROLL
-      for (int d = 0; d < kSegments; ++d) cp_async_16_zfill(copy_dst(sK, h, d), src + d * kSegment, valid);
+      for (int d = 0; d < kSegmentsOfWg1; ++d) {
+        if (d < kSegmentsOfWg0 || warpgroup == 1) {
+          cp_async_16_zfill(dst0 + h * kRowStep * kSegment + d * kSegmentElems, src + d * kSegment, valid);
+        }
+      }
     }
   }
 
-  // ========================================== WGMMA helper ==================================================
+  // ========================================== WGMMA helpers =================================================
 
-  // C (+)= A B over all K blocks of the operands, issued by the calling warpgroup, waited for before return.
+  // Issue C (+)= A B over all K blocks of the operands as one commit group of the calling warpgroup. The
+  // accumulator must not be touched until a warpgroup_wait that covers this group (then wgmma_done(C)).
   template <class TiledMma, class FragA, class FragB, class FragC>
-  __device__ static void warpgroup_gemm(TiledMma& mma, const FragA& tCrA, const FragB& tCrB, FragC& tCrC,
-                                        bool zero_init) {
+  __device__ static void wgmma_issue(TiledMma& mma, const FragA& tCrA, const FragB& tCrB, FragC& tCrC,
+                                     bool zero_init) {
     using namespace cute;
     warpgroup_fence_operand(tCrC);
     warpgroup_arrive();
@@ -121,8 +141,14 @@ struct SplitKvKernel {
       mma.accumulate_ = GMMA::ScaleOut::One;
     }
     warpgroup_commit_batch();
-    warpgroup_wait<0>();
     warpgroup_fence_operand(tCrC);
+  }
+
+  // Wait until at most `kPending` of this warpgroup's commit groups are still running.
+  template <int kPending, class FragC>
+  __device__ static void wgmma_wait(FragC& tCrC) {
+    cute::warpgroup_wait<kPending>();
+    cute::warpgroup_fence_operand(tCrC);
   }
 
   // ============================================ one piece ===================================================
@@ -176,30 +202,42 @@ struct SplitKvKernel {
     // ---- prologue: Q tile and the first page --------------------------------------------------------------
     const int num_pages = (piece.end - piece.begin + kBlockN - 1) / kBlockN;
     load_q_tile(p, smem, piece.seq, kv_head, m_tile);
-    load_page(p, smem.k[0].data(), piece.seq, kv_head, piece.begin, piece.end);
+    load_page_share(p, smem.k[0].data(), page_block(p, piece.seq, piece.begin), kv_head, piece.begin, piece.end,
+                    warpgroup, wg_thread);
     cp_async_commit();
 
     // ---- main loop over pages -----------------------------------------------------------------------------
+    // kRefillBehindS: the copies of page i + 1 are issued right after S(i)'s WGMMAs, so the ~20 cp.async per
+    // thread run while the tensor cores work instead of delaying S(i). (P V (i - 1) was waited for in its own
+    // iteration: with only two stages, page i + 1 cannot be requested before it is done, and a deferred
+    // warpgroup_wait<1> makes ptxas serialize every WGMMA, C7514.)
     for (int i = 0; i < num_pages; ++i) {
       const int stage = i % Traits::kStages;
       const int page_start = piece.begin + i * kBlockN;
+      const bool has_next = i + 1 < num_pages;
+      const int64_t next_block = has_next ? page_block(p, piece.seq, page_start + kBlockN) : 0;
       cp_async_wait_all();
       cutlass::arch::fence_view_async_shared();   // cp.async wrote through the generic proxy; WGMMA reads async
+      // Page i landed (both warpgroups' copies), and both finished P V (i - 1): its stage takes page i + 1.
       barrier_sync<kThreads>(SplitKvBarrier::kPageLanded);
 
-      // Both warpgroups finished O += P V of page i - 1 before arriving here: its stage takes page i + 1 now,
-      // so the copy overlaps all of page i's math.
-      if (i + 1 < num_pages) {
-        load_page(p, smem.k[stage ^ 1].data(), piece.seq, kv_head, page_start + kBlockN, piece.end);
-      }
-      cp_async_commit();
+      auto refill_other_stage = [&] {
+        if (has_next) {
+          load_page_share(p, smem.k[stage ^ 1].data(), next_block, kv_head, page_start + kBlockN, piece.end,
+                          warpgroup, wg_thread);
+        }
+        cp_async_commit();
+      };
+      if constexpr (!kRefillBehindS) refill_other_stage();
 
       // S = Q K^T over this warpgroup's 32 keys of the page
       Tensor sK = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutK{});   // (BLK_N, D_QK)
       Tensor tSrK = thr_mma_s.partition_fragment_B(local_tile(sK, Shape<KeysPerWg, Int<kHeadDimQK>>{},
                                                               make_coord(warpgroup, 0)));    // (MMA, MMA_N, MMA_K)
       Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, KeysPerWg>{});           // (MMA, MMA_M, MMA_N)
-      warpgroup_gemm(mma_s, tSrQ, tSrK, tSrS, /*zero_init=*/true);
+      wgmma_issue(mma_s, tSrQ, tSrK, tSrS, /*zero_init=*/true);
+      if constexpr (kRefillBehindS) refill_other_stage();
+      wgmma_wait<0>(tSrS);
       Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
 
       // Mask keys past the piece (past L) and, when causal, past each row's last visible key.
@@ -246,7 +284,8 @@ struct SplitKvKernel {
       Tensor sVt = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
       Tensor tOrV = thr_mma_o.partition_fragment_B(local_tile(sVt, Shape<ColsPerWg, Int<kBlockN>>{},
                                                               make_coord(warpgroup, 0)));    // (MMA, MMA_N, MMA_K)
-      warpgroup_gemm(mma_o, tOrP, tOrV, tOrO, /*zero_init=*/false);
+      wgmma_issue(mma_o, tOrP, tOrV, tOrO, /*zero_init=*/false);
+      wgmma_wait<0>(tOrO);
     }
 
     // ---- epilogue: combine the warpgroups' row sums, normalise, write ------------------------------------
@@ -317,6 +356,9 @@ struct SplitKvKernel {
 
   __device__ static void run(const DecodeParams& p, char* smem_raw) {
     SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+    // Let the combine kernel (launched with programmatic stream serialization) be scheduled now: it waits for
+    // this whole grid to finish before reading anything, so triggering early only hides its launch latency.
+    cudaTriggerProgrammaticLaunchCompletion();
     const int m_tile = blockIdx.x, kv_head = blockIdx.y, part = blockIdx.z;
     const int32_t* meta = p.metadata + part * kMetadataWidth;
     const int begin_seq = meta[kBeginSeq], begin_token = meta[kBeginToken];
@@ -338,19 +380,29 @@ struct SplitKvKernel {
   }
 };
 
-template <class Traits>
+template <class Traits, bool kRefillBehindS>
 __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const __grid_constant__ DecodeParams params) {
   extern __shared__ __align__(1024) char smem[];
-  SplitKvKernel<Traits>::run(params, smem);
+  SplitKvKernel<Traits, kRefillBehindS>::run(params, smem);
 }
 
-template <class Element>
-void launch_splitkv(const DecodeParams& params, cudaStream_t stream) {
+template <class Element, bool kRefillBehindS>
+void launch_splitkv_variant(const DecodeParams& params, cudaStream_t stream) {
   using Traits = SplitKvTraits<Element>;
-  auto kernel = mla_splitkv_kernel<Traits>;
+  auto kernel = mla_splitkv_kernel<Traits, kRefillBehindS>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   const dim3 grid(params.num_row_tiles, params.num_heads_k, params.num_sm_parts);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
+}
+
+// Runtime -> template dispatch of the kernel variant (DecodeParams::pipeline, see params.h).
+template <class Element>
+void launch_splitkv(const DecodeParams& params, cudaStream_t stream) {
+  if (params.pipeline == kPipelineRefillFirst) {
+    launch_splitkv_variant<Element, false>(params, stream);
+  } else {
+    launch_splitkv_variant<Element, true>(params, stream);
+  }
 }
 
 }  // namespace flash_mla
