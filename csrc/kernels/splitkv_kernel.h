@@ -153,8 +153,12 @@ struct SplitKvKernel {
 
   // ============================================ one piece ===================================================
 
-  __device__ static void attend_piece(const DecodeParams& p, SharedStorage& smem, const Piece& piece, int kv_head,
-                                      int m_tile) {
+  // Returns the stage where the next piece's first page goes (prefetched there when prefetch_next: its Q tile
+  // and first page are issued during this piece's last page, so a new piece does not start with a full copy
+  // latency; pieces are short when a part holds many sequences).
+  __device__ static int attend_piece(const DecodeParams& p, SharedStorage& smem, const Piece& piece, int kv_head,
+                                     int m_tile, int first_stage, bool prefetched, const Piece& next,
+                                     bool prefetch_next) {
     using namespace cute;
     using KeysPerWg = Int<Traits::kKeysPerWarpgroup>;
     using ColsPerWg = Int<Traits::kColsPerWarpgroup>;
@@ -164,7 +168,7 @@ struct SplitKvKernel {
 
     if (piece.end <= piece.begin) {   // L = 0: nothing to read, not even Q or the block table
       write_empty(p, piece, kv_head, m_tile, warpgroup, wg_thread);
-      return;
+      return first_stage;
     }
 
     typename Traits::TiledMmaS mma_s;
@@ -201,10 +205,12 @@ struct SplitKvKernel {
 
     // ---- prologue: Q tile and the first page --------------------------------------------------------------
     const int num_pages = (piece.end - piece.begin + kBlockN - 1) / kBlockN;
-    load_q_tile(p, smem, piece.seq, kv_head, m_tile);
-    load_page_share(p, smem.k[0].data(), page_block(p, piece.seq, piece.begin), kv_head, piece.begin, piece.end,
-                    warpgroup, wg_thread);
-    cp_async_commit();
+    if (!prefetched) {
+      load_q_tile(p, smem, piece.seq, kv_head, m_tile);
+      load_page_share(p, smem.k[first_stage].data(), page_block(p, piece.seq, piece.begin), kv_head, piece.begin,
+                      piece.end, warpgroup, wg_thread);
+      cp_async_commit();
+    }
 
     // ---- main loop over pages -----------------------------------------------------------------------------
     // kRefillBehindS: the copies of page i + 1 are issued right after S(i)'s WGMMAs, so the ~20 cp.async per
@@ -212,10 +218,13 @@ struct SplitKvKernel {
     // iteration: with only two stages, page i + 1 cannot be requested before it is done, and a deferred
     // warpgroup_wait<1> makes ptxas serialize every WGMMA, C7514.)
     for (int i = 0; i < num_pages; ++i) {
-      const int stage = i % Traits::kStages;
+      const int stage = (first_stage + i) % Traits::kStages;
       const int page_start = piece.begin + i * kBlockN;
       const bool has_next = i + 1 < num_pages;
-      const int64_t next_block = has_next ? page_block(p, piece.seq, page_start + kBlockN) : 0;
+      const bool last = !has_next;
+      // The page that goes into the other stage: page i + 1, or on the last page the next piece's first page.
+      const int64_t next_block = has_next ? page_block(p, piece.seq, page_start + kBlockN)
+                                 : prefetch_next ? page_block(p, next.seq, next.begin) : 0;
       cp_async_wait_all();
       cutlass::arch::fence_view_async_shared();   // cp.async wrote through the generic proxy; WGMMA reads async
       // Page i landed (both warpgroups' copies), and both finished P V (i - 1): its stage takes page i + 1.
@@ -225,6 +234,9 @@ struct SplitKvKernel {
         if (has_next) {
           load_page_share(p, smem.k[stage ^ 1].data(), next_block, kv_head, page_start + kBlockN, piece.end,
                           warpgroup, wg_thread);
+        } else if (prefetch_next) {
+          load_page_share(p, smem.k[stage ^ 1].data(), next_block, kv_head, next.begin, next.end, warpgroup,
+                          wg_thread);
         }
         cp_async_commit();
       };
@@ -256,6 +268,11 @@ struct SplitKvKernel {
         if (quad_leader) smem.row_max[warpgroup][get<0>(tScS(r, 0))] = m;
       }
       barrier_sync<kThreads>(SplitKvBarrier::kRowMaxExchanged);
+      // Both warpgroups' S of the piece's last page is done: the Q tile is free for the next piece.
+      if (last && prefetch_next) {
+        load_q_tile(p, smem, next.seq, kv_head, m_tile);
+        cp_async_commit();
+      }
 
       // Online softmax: P = exp2(S * scale - m), rescale O and the row sums by exp2(m_old - m).
       CUTE_UNROLL
@@ -313,6 +330,7 @@ struct SplitKvKernel {
                   for (int c = 0; c < size<1>(O); c += 2) store(get<1>(tOcO(r, c)), O(r, c), O(r, c + 1));
                 });
     }
+    return (first_stage + num_pages) % Traits::kStages;
   }
 
   // ========================================== epilogue stores =================================================
@@ -366,7 +384,7 @@ struct SplitKvKernel {
     // begin_seq == batch marks a part with no work; the other clamps only guard against foreign metadata.
     if (begin_seq < 0 || begin_seq >= p.batch) return;
     const int last_seq = min(end_seq, p.batch - 1);
-    for (int seq = begin_seq; seq <= last_seq; ++seq) {
+    auto piece_of = [&](int seq) {
       Piece piece;
       piece.seq = seq;
       piece.length = p.seqlens[seq];
@@ -375,7 +393,18 @@ struct SplitKvKernel {
       const int first_slot = p.num_splits[seq];
       piece.split = p.num_splits[seq + 1] - first_slot > 1;
       piece.slot = first_slot + (seq == begin_seq ? begin_split : 0);
-      attend_piece(p, smem, piece, kv_head, m_tile);
+      return piece;
+    };
+    Piece piece = piece_of(begin_seq);
+    int first_stage = 0;          // stage of the piece's first page
+    bool prefetched = false;      // its Q tile and first page were issued during the previous piece
+    for (int seq = begin_seq; seq <= last_seq; ++seq) {
+      const bool has_next = seq < last_seq;
+      const Piece next = has_next ? piece_of(seq + 1) : Piece{};
+      const bool prefetch_next = kRefillBehindS && has_next && next.end > next.begin && piece.end > piece.begin;
+      first_stage = attend_piece(p, smem, piece, kv_head, m_tile, first_stage, prefetched, next, prefetch_next);
+      prefetched = prefetch_next;
+      piece = next;
     }
   }
 };
