@@ -45,6 +45,9 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
   TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ", seqlens.sizes());
   TORCH_CHECK(num_heads_per_head_k >= 1 && num_heads_k >= 1 && num_sms >= 1,
               "num_heads_per_head_k, num_heads_k, num_sms: expected >= 1, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
+  // num_sm_parts_for takes int: a larger value would wrap (to 0: a division by zero on the host).
+  TORCH_CHECK(num_heads_per_head_k <= INT32_MAX && num_heads_k <= INT32_MAX && num_sms <= INT32_MAX,
+              "num_heads_per_head_k, num_heads_k, num_sms: expected < 2^31, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
   const int parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k);
   TORCH_CHECK(parts <= kMaxSmParts, "num_sms: at most ", kMaxSmParts, " SM parts are supported, got ", parts);
   const c10::cuda::CUDAGuard guard(seqlens.device());

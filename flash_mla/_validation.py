@@ -1,11 +1,19 @@
 """Argument checks shared by every backend. They run before any dispatch, so no kernel ever sees bad input.
 
 Every message names the function, the argument, what was expected and what was given.
+
+`check_decode_args` runs once per layer per decoding step, so it first tries one flat expression that holds for
+every valid call (a few microseconds); only when that fails does it walk the detailed checks that say what is
+wrong. Nothing here reads tensor values, so nothing synchronises with the GPU.
+
+Opt-in debug mode (environment variable FLASH_MLA_DEBUG=1, read at every call) adds value checks that do read
+the tensors, with a host synchronisation: lengths >= 0 and within the block table, block-table entries in range,
+metadata that matches the lengths, finite queries (`check_decode_values`, `check_metadata_values`).
 """
 from __future__ import annotations
 
 import math
-from typing import Optional
+import os
 
 import torch
 
@@ -14,6 +22,9 @@ HEAD_DIM_V = 512           # V is the first 512 columns of the cache
 PAGE_BLOCK_SIZE = 64
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8           # kernels move 16-byte vectors: strides must be multiples of 8 half-precision elements
+DEBUG_ENV_VAR = "FLASH_MLA_DEBUG"
+INT32_MAX = 2 ** 31 - 1
+MAX_SM_PARTS = 1024        # the CUDA metadata kernel keeps per-part state in shared memory (csrc/kernels/metadata.cu)
 
 
 class _Checker:
@@ -46,17 +57,20 @@ class _Checker:
         if t.device != device:
             self.fail(ValueError, arg, f"a tensor on {device} (the device of q)", f"a tensor on {t.device}")
 
-    def integer(self, arg: str, v: object, minimum: int) -> int:
-        if isinstance(v, bool) or not isinstance(v, int):
+    def integer(self, arg: str, v: object, minimum: int, maximum: int = INT32_MAX) -> int:
+        # torch.SymInt: a size traced symbolically by torch.compile (dynamic shapes), e.g. s_q * h_q // h_kv
+        if isinstance(v, bool) or not isinstance(v, (int, torch.SymInt)):
             self.fail(TypeError, arg, "a Python int", type(v).__name__)
         if v < minimum:
             self.fail(ValueError, arg, f"an int >= {minimum}", v)
+        if v > maximum:      # the kernels take int32: a larger value would wrap (and divide by zero)
+            self.fail(ValueError, arg, f"an int <= {maximum}", v)
         return v
 
-    def vector_strides(self, arg: str, t: torch.Tensor) -> None:
+    def vector_strides(self, arg: str, t: torch.Tensor, pointers: bool = True) -> None:
         if t.stride(-1) != 1:
             self.fail(ValueError, arg, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
-        if any(s % VECTOR_ELEMS for s in t.stride()[:-1]) or t.data_ptr() % 16:
+        if any(s % VECTOR_ELEMS for s in t.stride()[:-1]) or (pointers and t.data_ptr() % 16):
             self.fail(ValueError, arg, f"16-byte aligned rows (strides multiples of {VECTOR_ELEMS} elements)",
                       f"strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}")
 
@@ -68,12 +82,61 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k) -> Non
     c.rank("cache_seqlens", cache_seqlens, 1, "(batch_size,)")
     if cache_seqlens.shape[0] == 0:
         c.fail(ValueError, "cache_seqlens", "at least one sequence", "an empty tensor")
+    if cache_seqlens.device.type not in ("cpu", "cuda"):
+        c.fail(ValueError, "cache_seqlens", "a tensor on a CUDA device or the CPU", f"a tensor on {cache_seqlens.device}")
     c.integer("num_heads_per_head_k", num_heads_per_head_k, 1)
     c.integer("num_heads_k", num_heads_k, 1)
 
 
+def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal,
+                    pointers: bool) -> bool:
+    """True only if every check of `_check_decode_args` passes (it may be False when they would all pass too:
+    then the detailed checks simply run). One flat expression, because it runs on every call."""
+    T = torch.Tensor
+    if not (isinstance(q, T) and isinstance(k_cache, T) and isinstance(block_table, T)
+            and isinstance(cache_seqlens, T) and isinstance(md, T) and isinstance(ns, T)):
+        return False
+    if q.dim() != 4 or k_cache.dim() != 4 or block_table.dim() != 2 or cache_seqlens.dim() != 1 \
+            or md.dim() != 2 or ns.dim() != 1:
+        return False
+    b, s_q, h_q, d = q.shape
+    _, page, h_kv, d_k = k_cache.shape
+    qs, ks = q.stride(), k_cache.stride()
+    dev = q.device
+    i32 = torch.int32
+    return (q.dtype in SUPPORTED_DTYPES and k_cache.dtype == q.dtype
+            and b > 0 and s_q > 0 and h_q > 0 and d == HEAD_DIM_QK
+            and qs[3] == 1 and qs[0] % VECTOR_ELEMS == 0 and qs[1] % VECTOR_ELEMS == 0 and qs[2] % VECTOR_ELEMS == 0
+            and k_cache.shape[0] > 0 and page == PAGE_BLOCK_SIZE and d_k == HEAD_DIM_QK
+            and h_kv > 0 and h_q % h_kv == 0
+            and ks[3] == 1 and ks[0] % VECTOR_ELEMS == 0 and ks[1] % VECTOR_ELEMS == 0 and ks[2] % VECTOR_ELEMS == 0
+            and type(head_dim_v) is int and head_dim_v == HEAD_DIM_V
+            and block_table.dtype == i32 and block_table.shape[0] == b
+            and (block_table.shape[1] == 0 or block_table.stride(1) == 1)
+            and cache_seqlens.dtype == i32 and cache_seqlens.shape[0] == b
+            and md.dtype == i32 and md.shape[1] == 8 and md.shape[0] > 0 and md.is_contiguous()
+            and ns.dtype == i32 and ns.shape[0] == b + 1
+            and k_cache.device == dev and block_table.device == dev and cache_seqlens.device == dev
+            and md.device == dev and ns.device == dev
+            and (softmax_scale is None or (type(softmax_scale) in (float, int) and math.isfinite(softmax_scale)
+                                           and softmax_scale > 0))
+            and type(causal) is bool
+            and (not pointers or (q.data_ptr() % 16 == 0 and k_cache.data_ptr() % 16 == 0)))
+
+
 def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale: Optional[float], causal) -> None:
+                      softmax_scale: float | None, causal, pointers: bool = True) -> None:
+    """Raise the documented exception for the first bad argument. `pointers=False` skips the 16-byte alignment
+    of data pointers (fake tensors under torch.compile have none; the real call checks it again)."""
+    if _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                       softmax_scale, causal, pointers):
+        return
+    _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                       softmax_scale, causal, pointers)
+
+
+def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                       softmax_scale: float | None, causal, pointers: bool) -> None:
     c = _Checker("flash_mla_with_kvcache")
     c.tensor("q", q)
     c.rank("q", q, 4, "(batch_size, seqlen_q, num_heads_q, head_dim)")
@@ -82,7 +145,7 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_s
     if b == 0 or s_q == 0 or h_q == 0:
         c.fail(ValueError, "q", "batch_size, seqlen_q and num_heads_q >= 1", f"shape {tuple(q.shape)}")
     c.dim("q", q, 3, HEAD_DIM_QK, "head_dim")
-    c.vector_strides("q", q)
+    c.vector_strides("q", q, pointers)
 
     c.tensor("k_cache", k_cache)
     c.rank("k_cache", k_cache, 4, "(num_blocks, page_block_size, num_heads_k, head_dim)")
@@ -97,7 +160,7 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_s
     if h_kv == 0 or h_q % h_kv:
         c.fail(ValueError, "k_cache", f"num_heads_k (dimension 2) >= 1 dividing num_heads_q = {h_q}",
                f"num_heads_k = {h_kv}")
-    c.vector_strides("k_cache", k_cache)
+    c.vector_strides("k_cache", k_cache, pointers)
 
     c.integer("head_dim_v", head_dim_v, 1)
     if head_dim_v != HEAD_DIM_V:
@@ -140,3 +203,74 @@ def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_s
             c.fail(ValueError, "softmax_scale", "a finite positive float", softmax_scale)
     if not isinstance(causal, bool):
         c.fail(TypeError, "causal", "a bool", type(causal).__name__)
+
+
+# ---- opt-in debug mode: value checks with a host synchronisation ----------------------------------------------
+
+def debug_enabled() -> bool:
+    """FLASH_MLA_DEBUG set to anything but "" or "0", read at every call (tests monkeypatch it)."""
+    return os.environ.get(DEBUG_ENV_VAR, "0") not in ("", "0")
+
+
+def _check_lengths(c: _Checker, seqlens: list, max_tokens: int | None) -> None:
+    for i, length in enumerate(seqlens):
+        if length < 0:
+            c.fail(ValueError, f"cache_seqlens[{i}]", "a length >= 0", length)
+        if max_tokens is not None and length > max_tokens:
+            c.fail(ValueError, f"cache_seqlens[{i}]",
+                   f"at most block_table.shape[1] * {PAGE_BLOCK_SIZE} = {max_tokens} tokens (sequence {i} is longer "
+                   f"than its pages)", length)
+
+
+def check_metadata_values(cache_seqlens: torch.Tensor) -> None:
+    """Debug mode, get_mla_metadata: every length >= 0 (reads cache_seqlens: a host sync)."""
+    _check_lengths(_Checker("get_mla_metadata"), cache_seqlens.tolist(), None)
+
+
+def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits) -> None:
+    """Debug mode, flash_mla_with_kvcache (arguments already passed `check_decode_args`); reads the tensors.
+
+    * 0 <= cache_seqlens[i] <= block_table.shape[1] * 64;
+    * every block_table entry sequence i reads (its first ceil(L_i / 64) pages) lies in [0, num_blocks);
+    * tile_scheduler_metadata and num_splits are exactly what get_mla_metadata gives for these lengths (with
+      tile_scheduler_metadata.shape[0] SM parts): metadata from another step or another batch is caught here;
+    * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything).
+    Raises ValueError naming the sequence and the bad entry.
+    """
+    # the Python twin of the device scheduler (imported here: scheduler.py imports this module)
+    from .scheduler import schedule
+
+    c = _Checker("flash_mla_with_kvcache")
+    seqlens = cache_seqlens.tolist()
+    num_blocks, max_pages = k_cache.shape[0], block_table.shape[1]
+    _check_lengths(c, seqlens, max_pages * PAGE_BLOCK_SIZE)
+
+    if max_pages > 0:
+        lengths = cache_seqlens.to(torch.int64)
+        pages = (lengths + PAGE_BLOCK_SIZE - 1) // PAGE_BLOCK_SIZE
+        needed = torch.arange(max_pages, device=block_table.device)[None, :] < pages[:, None]
+        bad = needed & ((block_table < 0) | (block_table >= num_blocks))
+        if bool(bad.any()):
+            i, j = (int(x) for x in bad.nonzero()[0].tolist())
+            c.fail(ValueError, f"block_table[{i}, {j}]",
+                   f"a block index in [0, {num_blocks}) (num_blocks of k_cache) for page {j} of sequence {i}, "
+                   f"which has {seqlens[i]} tokens", int(block_table[i, j]))
+
+    expected_md, expected_ns = schedule(seqlens, tile_scheduler_metadata.shape[0])
+    got_ns = num_splits.tolist()
+    if got_ns != expected_ns:
+        k = next(k for k, (x, y) in enumerate(zip(got_ns, expected_ns)) if x != y)
+        c.fail(ValueError, "num_splits", "the get_mla_metadata result for these cache_seqlens (metadata from "
+               f"another step or batch?): num_splits[{k}] = {expected_ns[k]}", f"num_splits[{k}] = {got_ns[k]}")
+    got_md = tile_scheduler_metadata.tolist()
+    if got_md != expected_md:
+        p = next(p for p, (x, y) in enumerate(zip(got_md, expected_md)) if x != y)
+        c.fail(ValueError, "tile_scheduler_metadata", "the get_mla_metadata result for these cache_seqlens "
+               f"(metadata from another step or batch?): row {p} = {expected_md[p]}", f"row {p} = {got_md[p]}")
+
+    live = cache_seqlens > 0
+    if bool(live.any()):
+        finite = torch.isfinite(q).flatten(1).all(dim=1) | ~live
+        if not bool(finite.all()):
+            i = int((~finite).nonzero()[0])
+            c.fail(ValueError, f"q[{i}]", f"finite values (sequence {i} has {seqlens[i]} tokens)", "NaN or Inf")

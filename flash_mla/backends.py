@@ -18,8 +18,12 @@ from typing import Optional
 
 import torch
 
+from . import _validation
+from .scheduler import get_mla_metadata_twin, num_sm_parts_for
+
 BACKENDS = ("cuda", "triton", "cpu")
 ENV_VAR = "FLASH_MLA_BACKEND"
+DEFAULT_CPU_NUM_SMS = 132   # the H100 SXM's multiprocessors: the CPU path then cuts work like the GPU does
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,3 +91,55 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         raise RuntimeError(f"flash_mla: no backend can run on {device}: "
                            f"cuda: {_unavailable_reason('cuda', device)}; triton: {_unavailable_reason('triton', device)}")
     raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
+
+
+# ---- running a call (arguments already validated); shared by the eager API and the torch.library ops ---------
+
+_NUM_SMS: dict[tuple[str, int | None], int] = {}
+
+
+def default_num_sms(device: torch.device) -> int:
+    """Multiprocessors get_mla_metadata plans for by default: the GPU's count, or 132 (an H100) on the CPU."""
+    key = (device.type, device.index)
+    n = _NUM_SMS.get(key)
+    if n is None:
+        if device.type == "cuda":
+            n = torch.cuda.get_device_properties(device).multi_processor_count
+        else:
+            n = DEFAULT_CPU_NUM_SMS
+        _NUM_SMS[key] = n
+    return n
+
+
+def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
+                 num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler: the device kernel for CUDA tensors when the extension is built, else the Python twin."""
+    if _validation.debug_enabled():
+        _validation.check_metadata_values(cache_seqlens)
+    ext = cuda_extension()
+    if cache_seqlens.is_cuda and ext is not None:
+        if num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k) > _validation.MAX_SM_PARTS:
+            _validation._Checker("get_mla_metadata").fail(
+                ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // num_heads_k "
+                "// ceil(num_heads_per_head_k / 64))", num_sms)
+        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+    return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+
+
+def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+               head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
+               softmax_scale: float, causal: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode on the selected backend (see `select_backend`); FLASH_MLA_DEBUG=1 checks the values first."""
+    if _validation.debug_enabled():
+        _validation.check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
+    name = select_backend(q.device, backend)
+    if name == "cuda":
+        return cuda_extension().mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                           tile_scheduler_metadata, num_splits, softmax_scale, causal)
+    if name == "triton":
+        from .triton_backend import mla_decode_triton
+        return mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                 num_splits, softmax_scale, causal)
+    from .cpu_backend import mla_decode_cpu
+    return mla_decode_cpu(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                          num_splits, softmax_scale, causal)

@@ -1,5 +1,9 @@
 """Public API: get_mla_metadata (plan) and flash_mla_with_kvcache (run), drop-in compatible with upstream
 FlashMLA's dense decoding API. Validation happens here, before any backend is chosen or any kernel launched.
+
+Eager calls go straight to the backend (validation + dispatch cost a few microseconds per call). While
+torch.compile traces a call, it goes through the torch.library ops of flash_mla.ops instead, so a decoding
+step compiles into one graph (fullgraph=True works).
 """
 from __future__ import annotations
 
@@ -8,16 +12,16 @@ from typing import Optional, Tuple
 import torch
 
 from . import _validation
-from .backends import cuda_extension, select_backend
-from .scheduler import get_mla_metadata_twin
+from . import ops as _ops
+from .backends import DEFAULT_CPU_NUM_SMS, default_num_sms, run_decode, run_metadata  # noqa: F401
 
-DEFAULT_CPU_NUM_SMS = 132   # the H100 SXM's multiprocessors: the CPU path then cuts work like the GPU does
+DEFAULT_SOFTMAX_SCALE = _validation.HEAD_DIM_QK ** -0.5
 
-
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return DEFAULT_CPU_NUM_SMS
+if _ops.AVAILABLE and hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
+    _is_compiling = torch.compiler.is_compiling
+else:  # torch < 2.4: no custom ops; torch.compile then traces (or breaks on) the eager path
+    def _is_compiling() -> bool:
+        return False
 
 
 def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
@@ -37,15 +41,14 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
     Both live on cache_seqlens' device. On a GPU with the CUDA extension they are computed on the device,
     with no host synchronisation (CUDA-graph safe).
     """
+    if _is_compiling():
+        return _ops.metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
     _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k)
     if num_sms is None:
-        num_sms = _num_sms(cache_seqlens.device)
+        num_sms = default_num_sms(cache_seqlens.device)
     else:
         _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
-    ext = cuda_extension()
-    if cache_seqlens.is_cuda and ext is not None:
-        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
-    return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+    return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
 
 
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
@@ -69,20 +72,15 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     Returns:
         out: (batch_size, seqlen_q, num_heads_q, head_dim_v), dtype of q.
         softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, natural log of the softmax denominator.
+
+    No host synchronisation (CUDA-graph safe). With FLASH_MLA_DEBUG=1 the call first checks the tensors' values
+    (lengths, block-table entries, metadata, finite q), which does synchronise; see docs/HARDENING.md.
     """
+    if _is_compiling():
+        return _ops.decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                       num_splits, softmax_scale, causal, backend)
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
-    softmax_scale = float(softmax_scale)
-    name = select_backend(q.device, backend)
-    if name == "cuda":
-        return cuda_extension().mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                           tile_scheduler_metadata, num_splits, softmax_scale, causal)
-    if name == "triton":
-        from .triton_backend import mla_decode_triton
-        return mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                 num_splits, softmax_scale, causal)
-    from .cpu_backend import mla_decode_cpu
-    return mla_decode_cpu(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                          num_splits, softmax_scale, causal)
+    softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+    return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                      softmax_scale, causal, backend)

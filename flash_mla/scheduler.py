@@ -49,6 +49,9 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int) -> Tuple[List[List[int]]
     b = len(seqlens)
     if b == 0:
         raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
+    if min(int(L) for L in seqlens) < 0:
+        i = next(i for i, L in enumerate(seqlens) if int(L) < 0)
+        raise ValueError(f"get_mla_metadata: cache_seqlens[{i}]: expected a length >= 0, got {int(seqlens[i])}")
     blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
     total = sum(blocks) + FIXED_OVERHEAD * b
     payload = ceil_div(total, num_sm_parts) + FIXED_OVERHEAD

@@ -47,6 +47,19 @@ def misaligned(t):
     return view
 
 
+def outer_stride_not_8(t):
+    """Same shape and dtype as t, last dimension contiguous, but rows 577 elements apart (not 16-byte aligned)."""
+    wide = torch.zeros(*t.shape[:-1], t.shape[-1] + 1, dtype=t.dtype)
+    view = wide[..., :t.shape[-1]]
+    view.copy_(t)
+    return view
+
+
+def column_major(t):
+    """Same 2-D values, stride(1) != 1."""
+    return t.t().contiguous().t()
+
+
 def other_batch_metadata(n):
     return get_mla_metadata(torch.full((n,), 64, dtype=torch.int32), S_Q * H_Q // H_KV, H_KV)
 
@@ -64,10 +77,19 @@ DECODE_CASES = [
     ("q-zero-heads", lambda a: a.update(q=a["q"][:, :, :0]), ValueError, "q"),
     ("q-last-dim-strided", lambda a: a.update(q=strided_last_dim(a["q"])), ValueError, "q"),
     ("q-misaligned", lambda a: a.update(q=misaligned(a["q"])), ValueError, "q"),
+    ("q-zero-batch", lambda a: a.update(q=a["q"][:0]), ValueError, "q"),
+    ("q-zero-seqlen_q", lambda a: a.update(q=a["q"][:, :0]), ValueError, "q"),
+    ("q-fp64", lambda a: a.update(q=a["q"].double()), TypeError, "q"),
+    ("q-row-stride-577", lambda a: a.update(q=outer_stride_not_8(a["q"])), ValueError, "q"),
+    ("q-other-device", lambda a: a.update(q=a["q"].to("meta")), ValueError, "k_cache"),   # q sets the device
     # k_cache
     ("k_cache-not-tensor", lambda a: a.update(k_cache=None), TypeError, "k_cache"),
     ("k_cache-fp16-vs-bf16-q", lambda a: a.update(k_cache=a["k_cache"].half()), TypeError, "k_cache"),
     ("k_cache-fp32", lambda a: a.update(k_cache=a["k_cache"].float()), TypeError, "k_cache"),
+    ("k_cache-bf16-vs-fp16-q", lambda a: a.update(q=a["q"].half()), TypeError, "k_cache"),
+    ("k_cache-row-stride-577", lambda a: a.update(k_cache=outer_stride_not_8(a["k_cache"])), ValueError, "k_cache"),
+    ("k_cache-zero-kv-heads", lambda a: a.update(k_cache=a["k_cache"][:, :, :0]), ValueError, "k_cache"),
+    ("k_cache-rank5", lambda a: a.update(k_cache=a["k_cache"][None]), ValueError, "k_cache"),
     ("k_cache-rank3", lambda a: a.update(k_cache=a["k_cache"][:, :, 0]), ValueError, "k_cache"),
     ("k_cache-page-32", lambda a: a.update(k_cache=a["k_cache"][:, :32].contiguous()), ValueError, "k_cache"),
     ("k_cache-page-128", lambda a: a.update(k_cache=torch.cat([a["k_cache"]] * 2, dim=1)), ValueError, "k_cache"),
@@ -81,11 +103,19 @@ DECODE_CASES = [
     ("head_dim_v-576", lambda a: a.update(head_dim_v=576), ValueError, "head_dim_v"),
     ("head_dim_v-256", lambda a: a.update(head_dim_v=256), ValueError, "head_dim_v"),
     ("head_dim_v-float", lambda a: a.update(head_dim_v=512.0), TypeError, "head_dim_v"),
+    ("head_dim_v-bool", lambda a: a.update(head_dim_v=True), TypeError, "head_dim_v"),
+    ("head_dim_v-tensor", lambda a: a.update(head_dim_v=torch.tensor(512)), TypeError, "head_dim_v"),
     # block_table
     ("block_table-int64", lambda a: a.update(block_table=a["block_table"].long()), TypeError, "block_table"),
     ("block_table-rank1", lambda a: a.update(block_table=a["block_table"].flatten()), ValueError, "block_table"),
     ("block_table-batch", lambda a: a.update(block_table=a["block_table"][:1]), ValueError, "block_table"),
     ("block_table-not-tensor", lambda a: a.update(block_table=[[0, 1], [2, 3]]), TypeError, "block_table"),
+    ("block_table-float", lambda a: a.update(block_table=a["block_table"].float()), TypeError, "block_table"),
+    ("block_table-other-device", lambda a: a.update(block_table=a["block_table"].to("meta")), ValueError,
+     "block_table"),
+    ("block_table-column-major", lambda a: a.update(block_table=column_major(a["block_table"])), ValueError,
+     "block_table"),
+    ("block_table-rank3", lambda a: a.update(block_table=a["block_table"][None]), ValueError, "block_table"),
     # cache_seqlens
     ("cache_seqlens-int64", lambda a: a.update(cache_seqlens=a["cache_seqlens"].long()), TypeError,
      "cache_seqlens"),
@@ -94,6 +124,10 @@ DECODE_CASES = [
     ("cache_seqlens-rank2", lambda a: a.update(cache_seqlens=a["cache_seqlens"][:, None]), ValueError,
      "cache_seqlens"),
     ("cache_seqlens-list", lambda a: a.update(cache_seqlens=[5, 70]), TypeError, "cache_seqlens"),
+    ("cache_seqlens-other-device", lambda a: a.update(cache_seqlens=a["cache_seqlens"].to("meta")), ValueError,
+     "cache_seqlens"),
+    ("cache_seqlens-uint8", lambda a: a.update(cache_seqlens=a["cache_seqlens"].to(torch.uint8)), TypeError,
+     "cache_seqlens"),
     # tile_scheduler_metadata
     ("metadata-int64", lambda a: a.update(tile_scheduler_metadata=a["tile_scheduler_metadata"].long()), TypeError,
      "tile_scheduler_metadata"),
@@ -104,6 +138,12 @@ DECODE_CASES = [
     ("metadata-rank1", lambda a: a.update(tile_scheduler_metadata=a["tile_scheduler_metadata"].flatten()),
      ValueError, "tile_scheduler_metadata"),
     ("metadata-not-tensor", lambda a: a.update(tile_scheduler_metadata=None), TypeError, "tile_scheduler_metadata"),
+    ("metadata-other-device", lambda a: a.update(tile_scheduler_metadata=a["tile_scheduler_metadata"].to("meta")),
+     ValueError, "tile_scheduler_metadata"),
+    ("metadata-non-contiguous", lambda a: a.update(tile_scheduler_metadata=column_major(a["tile_scheduler_metadata"])),
+     ValueError, "tile_scheduler_metadata"),
+    ("metadata-rank3", lambda a: a.update(tile_scheduler_metadata=a["tile_scheduler_metadata"][None]), ValueError,
+     "tile_scheduler_metadata"),
     # num_splits
     ("num_splits-int64", lambda a: a.update(num_splits=a["num_splits"].long()), TypeError, "num_splits"),
     ("num_splits-other-batch", lambda a: a.update(num_splits=other_batch_metadata(5)[1]), ValueError,
@@ -111,6 +151,8 @@ DECODE_CASES = [
     ("num_splits-one-short", lambda a: a.update(num_splits=a["num_splits"][1:]), ValueError,
      "num_splits"),
     ("num_splits-not-tensor", lambda a: a.update(num_splits=(0, 1, 2)), TypeError, "num_splits"),
+    ("num_splits-other-device", lambda a: a.update(num_splits=a["num_splits"].to("meta")), ValueError, "num_splits"),
+    ("num_splits-rank2", lambda a: a.update(num_splits=a["num_splits"][None]), ValueError, "num_splits"),
     # softmax_scale, causal
     ("softmax_scale-negative", lambda a: a.update(softmax_scale=-0.1), ValueError, "softmax_scale"),
     ("softmax_scale-zero", lambda a: a.update(softmax_scale=0.0), ValueError, "softmax_scale"),
@@ -181,6 +223,7 @@ METADATA_CASES = [
     ("cache_seqlens-rank2", (SEQLENS[None], 16, 1), ValueError, "cache_seqlens"),
     ("cache_seqlens-rank0", (SEQLENS[0], 16, 1), ValueError, "cache_seqlens"),
     ("cache_seqlens-empty", (SEQLENS[:0], 16, 1), ValueError, "cache_seqlens"),
+    ("cache_seqlens-meta-device", (SEQLENS.to("meta"), 16, 1), ValueError, "cache_seqlens"),
     ("num_heads_per_head_k-0", (SEQLENS, 0, 1), ValueError, "num_heads_per_head_k"),
     ("num_heads_per_head_k-negative", (SEQLENS, -16, 1), ValueError, "num_heads_per_head_k"),
     ("num_heads_per_head_k-float", (SEQLENS, 16.0, 1), TypeError, "num_heads_per_head_k"),
@@ -189,6 +232,9 @@ METADATA_CASES = [
     ("num_heads_k-0", (SEQLENS, 16, 0), ValueError, "num_heads_k"),
     ("num_heads_k-str", (SEQLENS, 16, "1"), TypeError, "num_heads_k"),
     ("num_heads_k-bool", (SEQLENS, 16, False), TypeError, "num_heads_k"),
+    # the kernels take int32: 2^32 would wrap to 0 (a division by zero in the binding)
+    ("num_heads_per_head_k-2^32", (SEQLENS, 2 ** 32, 1), ValueError, "num_heads_per_head_k"),
+    ("num_heads_k-2^31", (SEQLENS, 16, 2 ** 31), ValueError, "num_heads_k"),
 ]
 
 
@@ -199,7 +245,8 @@ def test_metadata_rejects_bad_input(args, exc, arg):
     assert type(info.value) is exc
 
 
-@pytest.mark.parametrize("num_sms,exc", [(0, ValueError), (-4, ValueError), (132.0, TypeError), (True, TypeError)])
+@pytest.mark.parametrize("num_sms,exc", [(0, ValueError), (-4, ValueError), (132.0, TypeError), (True, TypeError),
+                                         (2 ** 32, ValueError)])
 def test_metadata_rejects_bad_num_sms(num_sms, exc):
     with pytest.raises(exc, match=_message(META, "num_sms")) as info:
         get_mla_metadata(SEQLENS, 16, 1, num_sms=num_sms)
@@ -277,3 +324,36 @@ def test_valid_edge_input_passes():
     out, lse = flash_mla_with_kvcache(batch.q, padded[..., :576], batch.block_table, batch.cache_seqlens, 512,
                                       md, ns, causal=True)
     assert_close(compare(out, lse, *reference_for(batch)), torch.bfloat16, "padded k_cache")
+
+
+def test_non_contiguous_views_with_supported_strides_pass():
+    """Non-contiguous caches (every other token slot, blocks taken from a bigger pool) and queries (a slice of a
+    wider projection) are fine when the last dimension is contiguous and rows stay 16-byte aligned."""
+    batch = make_decode_batch([100, 1, 0, 130], s_q=2, h_q=16, causal=True, generator=torch.Generator().manual_seed(2))
+    md, ns = get_mla_metadata(batch.cache_seqlens, 32, 1)
+    expected = reference_for(batch)
+    interleaved = torch.full((batch.k_cache.shape[0], 128, 1, 576), math.nan, dtype=torch.bfloat16)
+    interleaved[:, ::2] = batch.k_cache
+    pool = torch.full((2 * batch.k_cache.shape[0], 64, 1, 576), math.nan, dtype=torch.bfloat16)
+    pool[1::2] = batch.k_cache
+    wide_q = torch.full((4, 2, 16, 1152), math.nan, dtype=torch.bfloat16)
+    wide_q[..., 576:] = batch.q
+    for name, q, k_cache in [("token stride 2", batch.q, interleaved[:, ::2]),
+                             ("block stride 2", batch.q, pool[1::2]),
+                             ("q slice", wide_q[..., 576:], batch.k_cache)]:
+        assert not k_cache.is_contiguous() or not q.is_contiguous()
+        out, lse = flash_mla_with_kvcache(q, k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns,
+                                          causal=True)
+        assert_close(compare(out, lse, *expected), torch.bfloat16, name)
+
+
+def test_valid_calls_take_the_fast_path():
+    """Valid arguments pass the one-expression check (the detailed checks only run for bad input); each bad case
+    above is caught because the fast check declines it and the detailed checks raise."""
+    from flash_mla import _validation
+    args = good_args()
+    order = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata", "num_splits",
+             "softmax_scale", "causal")
+    for extra in ({}, {"softmax_scale": 0.05, "causal": True}, {"softmax_scale": 2}):
+        call = {**args, **extra}
+        assert _validation._decode_args_ok(*(call[k] for k in order), pointers=True)

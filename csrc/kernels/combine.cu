@@ -36,6 +36,8 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   const int first_slot = p.num_splits[seq];
   const int num_pieces = p.num_splits[seq + 1] - first_slot;
   if (num_pieces <= 1 || row >= p.rows_per_kv) return;
+  // Workspace slots exist for [0, batch + num_sm_parts): num_splits from a different plan must not run past it.
+  if (p.num_splits[seq + 1] > p.batch + p.num_sm_parts) return;
 
   // Partial row `row` of piece k lives at ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
   const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
@@ -49,12 +51,14 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   float sum = 0.f;
   for (int k = lane; k < num_pieces; k += 32) sum += __expf(p.lse_partial[first_row + k * piece_stride] - base);
   sum = warp_sum(sum);
-  const float lse = sum > 0.f ? base + __logf(sum) : -INFINITY;
+  // sum == 0: no piece saw a key (out 0, lse -inf). A NaN partial (NaN in q) makes sum NaN: it propagates to
+  // out and lse as it would in an unsplit row, instead of being mistaken for "no key".
+  const float lse = sum == 0.f ? -INFINITY : base + __logf(sum);
 
   // ---- out = sum_k exp(lse_k - lse) O_k ------------------------------------------------------------------
   float4 acc[kColsPerLane / 4];
   for (int v = 0; v < kColsPerLane / 4; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (sum > 0.f) {
+  if (sum != 0.f) {
     for (int k = 0; k < num_pieces; ++k) {
       const int64_t partial_row = first_row + k * piece_stride;
       const float w = __expf(p.lse_partial[partial_row] - lse);

@@ -341,6 +341,7 @@ struct SplitKvKernel {
   __device__ static void write_row(const DecodeParams& p, const Piece& piece, int kv_head, int row, int warpgroup,
                                    float lse, bool quad_leader, ForEachPair&& for_each_pair) {
     if (row >= p.rows_per_kv) return;       // padding row of the last tile
+    if (piece.split && piece.slot >= p.batch + p.num_sm_parts) return;   // num_splits from another plan
     const int col0 = warpgroup * Traits::kColsPerWarpgroup;
     if (!piece.split) {
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;

@@ -1,0 +1,93 @@
+"""torch.library custom ops for both calls, so torch.compile traces a decoding step without graph breaks.
+
+    torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+        -> (tile_scheduler_metadata, num_splits)          num_sms = 0: the device's multiprocessor count
+    torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                   num_splits, softmax_scale, causal, backend=None) -> (out, softmax_lse)
+
+`flash_mla.get_mla_metadata` and `flash_mla.flash_mla_with_kvcache` call these ops only while torch.compile
+traces them (`torch.compiler.is_compiling()`); in eager mode they call the backend directly, which skips the
+dispatcher's per-call cost. Calling the ops directly works in eager mode too.
+
+The fake (meta) implementations give the output shapes without running anything:
+  * metadata: (num_sm_parts, 8) and (b + 1,) int32, num_sm_parts = scheduler.num_sm_parts_for(num_sms, ...),
+    which depends only on the SM count and the head counts, never on the lengths;
+  * decode: out (b, s_q, h_q, head_dim_v) in q's dtype and lse (b, h_q, s_q) float32, both contiguous.
+Both implementations validate their arguments like the eager API (the fake one without the data-pointer
+alignment check, since fake tensors have no data; the real one checks it again when the graph runs).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from . import _validation
+from .backends import default_num_sms, run_decode, run_metadata
+from .scheduler import METADATA_WIDTH, num_sm_parts_for
+
+AVAILABLE = hasattr(torch.library, "custom_op")   # torch >= 2.4
+DEFAULT_SOFTMAX_SCALE = _validation.HEAD_DIM_QK ** -0.5
+
+
+def _resolve_num_sms(num_sms: int, device: torch.device) -> int:
+    """0 means "the device's count"; anything else must be a positive int."""
+    if num_sms == 0:
+        return default_num_sms(device)
+    return _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
+
+
+if AVAILABLE:
+    @torch.library.custom_op("flash_mla::get_mla_metadata", mutates_args=())
+    def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
+                         num_sms: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k)
+        return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k,
+                            _resolve_num_sms(num_sms, cache_seqlens.device))
+
+    @get_mla_metadata.register_fake
+    def _get_mla_metadata_fake(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms):
+        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k)
+        parts = num_sm_parts_for(_resolve_num_sms(num_sms, cache_seqlens.device), num_heads_per_head_k, num_heads_k)
+        return (cache_seqlens.new_empty((parts, METADATA_WIDTH)),
+                cache_seqlens.new_empty((cache_seqlens.shape[0] + 1,)))
+
+    @torch.library.custom_op("flash_mla::mla_decode", mutates_args=())
+    def mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                   head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
+                   softmax_scale: float, causal: bool,
+                   backend: Optional[str] = None,  # noqa: UP045  (torch.library evaluates it, also on Python 3.9)
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                      num_splits, softmax_scale, causal)
+        return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                          softmax_scale, causal, backend)
+
+    @mla_decode.register_fake
+    def _mla_decode_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                         softmax_scale, causal, backend=None):
+        _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                      num_splits, softmax_scale, causal, pointers=False)
+        b, s_q, h_q, _ = q.shape
+        return q.new_empty((b, s_q, h_q, head_dim_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms):
+    """get_mla_metadata while torch.compile traces: validate (traced; no tensor data is read), call the op."""
+    _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k)
+    if num_sms is None:
+        num_sms = 0
+    else:
+        _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
+    return torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+
+
+def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                       softmax_scale, causal, backend):
+    """flash_mla_with_kvcache while torch.compile traces: validate shapes, dtypes, devices and strides (traced),
+    then call the op (whose real implementation checks pointer alignment and, in debug mode, the values)."""
+    _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                                  num_splits, softmax_scale, causal, pointers=False)
+    scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+    return torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                          tile_scheduler_metadata, num_splits, scale, causal, backend)

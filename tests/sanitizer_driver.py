@@ -1,0 +1,120 @@
+"""Small GPU workloads for NVIDIA compute-sanitizer (scripts/sanitize.sh runs them; see docs/HARDENING.md).
+
+    python3 tests/sanitizer_driver.py padded [--backends cuda,triton]   memcheck: padded + ragged batches
+    python3 tests/sanitizer_driver.py small  [--backends cuda]          racecheck / synccheck / initcheck
+
+`padded`: real sequences mixed with L = 0 padding rows whose block-table rows are -1 or garbage and whose q is
+NaN; ragged lengths around page boundaries; metadata planned for few SMs as well, so sequences are cut into
+many pieces and the combine kernel runs. Pages are laid out in order with no spare blocks, so the last page of
+the last sequence ends exactly at the end of the cache allocation (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1:
+every tensor is then its own cudaMalloc, and any read past a tensor is outside an allocation).
+`small`: b = 2, L ~ 200, h_q in {16, 128}, s_q in {1, 2}: cheap enough for racecheck.
+
+Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool).
+Prints one line per case and "DRIVER OK" at the end; exit status 1 on a wrong result, 2 without a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+# this checkout's flash_mla when the package is not installed (the script's own directory is tests/)
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+GARBAGE = (-1, 2 ** 31 - 1, -(2 ** 31), 77777)
+
+
+def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, num_sms=None, seed=0,
+             dtype=torch.bfloat16):
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata
+    from flash_mla.testing import (
+        assert_close,
+        compare,
+        make_decode_batch,
+        reference_for,
+    )
+
+    batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, device="cuda", causal=causal,
+                              generator=torch.Generator().manual_seed(seed), shuffle_pages=False,
+                              extra_blocks=0 if any(seqlens) else 1)
+    padding = batch.cache_seqlens == 0
+    if pad_garbage is not None:
+        batch.block_table[padding] = pad_garbage
+        batch.q[padding] = math.nan
+    md, ns = get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1, num_sms=num_sms)
+    out, lse = flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns,
+                                      causal=causal, backend=backend)
+    torch.cuda.synchronize()
+    metrics = compare(out, lse, *reference_for(batch))
+    assert_close(metrics, dtype, name)
+    padding = padding.cpu()
+    out, lse = out.cpu(), lse.cpu()
+    assert bool((out[padding] == 0).all()) and bool(torch.isneginf(lse[padding]).all()), f"{name}: padding rows"
+    splits = int(ns[-1]) - len(seqlens)
+    print(f"ok  {name:<76} parts={md.shape[0]:<3} extra pieces={splits:<3} out_err={metrics['out_rel_l2']:.1e}",
+          flush=True)
+
+
+def case(name, seqlens, s_q, h_q, **options):
+    """One workload: run_case(backend, name, seqlens, s_q, h_q, **options)."""
+    return name, seqlens, s_q, h_q, options
+
+
+def padded_cases(backend):
+    real = [1000, 1, 63, 64, 65, 0, 200]
+    for i, (s_q, h_q, causal) in enumerate([(1, 16, True), (2, 64, True), (1, 128, False), (4, 16, True)]):
+        garbage = GARBAGE[i % len(GARBAGE)]
+        seqlens = real + [0] * 9
+        yield case(f"{backend} padded s_q={s_q} h_q={h_q} causal={causal} table={garbage}", seqlens, s_q, h_q,
+                   causal=causal, pad_garbage=garbage, seed=i)
+        yield case(f"{backend} padded, 8-SM plan, s_q={s_q} h_q={h_q} table={garbage}", seqlens, s_q, h_q,
+                   causal=causal, pad_garbage=garbage, num_sms=8, seed=i)
+    ragged = [0, 1, 2, 63, 64, 65, 127, 128, 129, 4097, 0, 0]
+    yield case(f"{backend} ragged s_q=2 h_q=32", ragged, 2, 32, seed=9)
+    yield case(f"{backend} ragged fp16 s_q=3 h_q=16 3-SM plan", ragged, 3, 16, num_sms=3, dtype=torch.float16,
+               seed=10)
+    yield case(f"{backend} all padding", [0] * 5, 1, 16, pad_garbage=-1, seed=11)
+    yield case(f"{backend} last page ends the cache", [64, 130, 64 * 7], 1, 64, seed=12)
+
+
+def small_cases(backend):
+    for s_q in (1, 2):
+        for h_q in (16, 128):
+            yield case(f"{backend} small b=2 s_q={s_q} h_q={h_q}", [200, 137], s_q, h_q, seed=s_q * 1000 + h_q)
+    yield case(f"{backend} small, 1-SM plan (whole sequences)", [200, 137], 2, 16, num_sms=1)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", choices=("padded", "small"))
+    parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
+    parser.add_argument("--pipelines", default="refill_behind_s,refill_first",
+                        help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
+                             "(FLASH_MLA_SPLITKV_PIPELINE; default: both)")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("skipped: needs a CUDA GPU")
+        return 2
+    from flash_mla.backends import _unavailable_reason
+
+    for backend in args.backends.split(","):
+        why = _unavailable_reason(backend, torch.device("cuda"))
+        if why is not None:
+            print(f"skip {backend}: {why}")
+            continue
+        for pipeline in args.pipelines.split(",") if backend == "cuda" else ["-"]:
+            if backend == "cuda":   # the extension reads it at every call
+                os.environ["FLASH_MLA_SPLITKV_PIPELINE"] = pipeline
+            cases = padded_cases(backend) if args.workload == "padded" else small_cases(backend)
+            for name, seqlens, s_q, h_q, options in cases:
+                run_case(f"{name} [{pipeline}]" if backend == "cuda" else name, seqlens, s_q, h_q, backend,
+                         **options)
+    print("DRIVER OK")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
