@@ -1,7 +1,8 @@
 """Side-by-side timing of the CUDA kernel's schedule variants on the SPEC reference table (Hopper only).
 
 Variants are chosen per call through environment variables the binding reads on every call:
-  FLASH_MLA_SPLITKV_PIPELINE  refill_behind_s (default) | refill_first (kernel v1's order)
+  FLASH_MLA_SPLITKV_PIPELINE  refill_behind_s (default) | refill_first (kernel v1's order) | s_owner (one
+                              warpgroup computes all of S per page, alternating; experimental)
   FLASH_MLA_COMBINE_PDL       1 (default, programmatic dependent launch of the combine kernel) | 0
 Each row is checked against the float32 reference under every variant before it is timed, and the variants
 are timed interleaved (A B C A B C ...) so clock drift hits all of them alike; the figure is the median.
@@ -29,6 +30,7 @@ VARIANTS = {
     "v1": {"FLASH_MLA_SPLITKV_PIPELINE": "refill_first", "FLASH_MLA_COMBINE_PDL": "0"},
     "v1+pdl": {"FLASH_MLA_SPLITKV_PIPELINE": "refill_first", "FLASH_MLA_COMBINE_PDL": "1"},
     "v2": {"FLASH_MLA_SPLITKV_PIPELINE": "refill_behind_s", "FLASH_MLA_COMBINE_PDL": "1"},
+    "s_owner": {"FLASH_MLA_SPLITKV_PIPELINE": "s_owner", "FLASH_MLA_COMBINE_PDL": "1"},
 }
 
 
@@ -56,7 +58,7 @@ def main() -> int:
     print(f"device: {torch.cuda.get_device_name()}; median of {args.rounds} interleaved rounds "
           f"(each itself a median of 15 x 10 back-to-back calls); bf16, causal, b = 128, h_kv = 1")
     header = f"{'mean':>6} {'h_q':>4} {'s_q':>3} {'varlen':>6} | " + " | ".join(
-        f"{n:>8} us {'TF/s':>6} {'GB/s':>5}" for n in names) + " | v2/v1"
+        f"{n:>8} us {'TF/s':>6} {'GB/s':>5}" for n in names) + " | v1/v2 v1/s_owner"
     print(header)
     records, failures = [], 0
     for i, row in enumerate(rows(args.quick)):
@@ -87,7 +89,7 @@ def main() -> int:
         cells = " | ".join(f"{med[n] * 1e6:>11.1f} {flops / med[n] / 1e12:>6.1f} {nbytes / med[n] / 1e9:>5.0f}"
                            for n in names)
         print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {str(row['varlen']):>6} | {cells} | "
-              f"{med['v1'] / med['v2']:.3f}", flush=True)
+              f"{med['v1'] / med['v2']:.3f} {med['v1'] / med['s_owner']:.3f}", flush=True)
         records.append({**row, **{f"{n}_us": med[n] * 1e6 for n in names},
                         **{f"{n}_tflops": flops / med[n] / 1e12 for n in names},
                         **{f"{n}_gbps": nbytes / med[n] / 1e9 for n in names}})

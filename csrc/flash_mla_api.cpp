@@ -15,10 +15,14 @@ namespace flash_mla {
 namespace {
 
 // Benchmarks compare the page-loop schedules of the split-KV kernel side by side in one process:
-// FLASH_MLA_SPLITKV_PIPELINE=refill_first selects kernel v1's order. Read per call (a few hundred ns).
+// FLASH_MLA_SPLITKV_PIPELINE=refill_first selects kernel v1's order, =s_owner the experimental one-warpgroup-S
+// schedule (csrc/kernels/params.h PagePipeline). Read per call (a few hundred ns).
 int splitkv_pipeline_from_env() {
   const char* value = std::getenv("FLASH_MLA_SPLITKV_PIPELINE");
-  return value != nullptr && std::strcmp(value, "refill_first") == 0 ? kPipelineRefillFirst : kPipelineRefillBehindS;
+  if (value == nullptr) return kPipelineRefillBehindS;
+  if (std::strcmp(value, "refill_first") == 0) return kPipelineRefillFirst;
+  if (std::strcmp(value, "s_owner") == 0) return kPipelineSOwner;
+  return kPipelineRefillBehindS;
 }
 // FLASH_MLA_COMBINE_PDL=0 launches the combine kernel without programmatic dependent launch (for comparison).
 bool combine_pdl_from_env() {

@@ -91,9 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=("padded", "small"))
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
-    parser.add_argument("--pipelines", default="refill_behind_s,refill_first",
+    parser.add_argument("--pipelines", default="refill_behind_s,refill_first,s_owner",
                         help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
-                             "(FLASH_MLA_SPLITKV_PIPELINE; default: both)")
+                             "(FLASH_MLA_SPLITKV_PIPELINE; default: all three)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")

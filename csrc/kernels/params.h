@@ -18,6 +18,7 @@ constexpr int kMetadataWidth = 8;     // int32 words per SM part
 enum PagePipeline : int {
   kPipelineRefillBehindS = 0,   // default: page i + 1's copies are issued behind S(i)'s WGMMAs
   kPipelineRefillFirst = 1,     // kernel v1's order: page i + 1's copies first, then S(i)
+  kPipelineSOwner = 2,          // one warpgroup per page computes all of S (N = 64) and the softmax
 };
 
 // Column indices of one tile_scheduler_metadata row.

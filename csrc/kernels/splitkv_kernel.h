@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cuda_runtime.h>
+#include <type_traits>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/numeric_types.h>
@@ -35,8 +36,14 @@ struct Piece {
   int slot;
 };
 
-template <class Traits, bool kRefillBehindS>
+template <class Traits, int kPipeline>
 struct SplitKvKernel {
+  // kRefillBehindS: page i + 1's copies are issued behind S(i)'s WGMMAs, and the next piece's Q tile and first
+  // page are prefetched during a piece's last page. kSOwner: one warpgroup (alternating by page) computes all of
+  // S = Q K^T for the page (WGMMA N = 64: Q is read from shared memory once per page instead of twice, and no
+  // row-maximum exchange is needed); it publishes the new row maxima with P, and the other warpgroup rescales.
+  static constexpr bool kRefillBehindS = kPipeline != kPipelineRefillFirst;
+  static constexpr bool kSOwner = kPipeline == kPipelineSOwner;
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kThreads = Traits::kThreads;
@@ -160,8 +167,11 @@ struct SplitKvKernel {
                                      int m_tile, int first_stage, bool prefetched, const Piece& next,
                                      bool prefetch_next) {
     using namespace cute;
-    using KeysPerWg = Int<Traits::kKeysPerWarpgroup>;
+    // Keys of one S WGMMA: the warpgroup's half of the page, or (kSOwner) the whole page.
+    constexpr int kKeysPerS = kSOwner ? kBlockN : Traits::kKeysPerWarpgroup;
+    using KeysPerS = Int<kKeysPerS>;
     using ColsPerWg = Int<Traits::kColsPerWarpgroup>;
+    const int s_key_tile = kSOwner ? 0 : threadIdx.x / 128;    // which kKeysPerS-key slice of the page
     const int warpgroup = threadIdx.x / 128;
     const int wg_thread = threadIdx.x % 128;
     const bool quad_leader = threadIdx.x % 4 == 0;
@@ -171,7 +181,7 @@ struct SplitKvKernel {
       return first_stage;
     }
 
-    typename Traits::TiledMmaS mma_s;
+    std::conditional_t<kSOwner, typename Traits::TiledMmaSPage, typename Traits::TiledMmaS> mma_s;
     typename Traits::TiledMmaO mma_o;
     auto thr_mma_s = mma_s.get_slice(wg_thread);
     auto thr_mma_o = mma_o.get_slice(wg_thread);
@@ -180,12 +190,12 @@ struct SplitKvKernel {
     Tensor sP = make_tensor(make_smem_ptr(smem.p.data()), typename Traits::SmemLayoutP{});   // (BLK_M, BLK_N)
     Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);                                        // (MMA, MMA_M, MMA_K)
     Tensor tOrP = thr_mma_o.partition_fragment_A(sP);                                        // (MMA, MMA_M, MMA_K)
-    // This warpgroup's 32 columns of P, partitioned like its S accumulator.
-    Tensor tSsP = thr_mma_s.partition_C(local_tile(sP, Shape<Int<kBlockM>, KeysPerWg>{},
-                                                   make_coord(0, warpgroup)));               // (MMA, MMA_M, MMA_N)
-    // Coordinates (row, key within the warpgroup's half) of each S element this thread holds.
+    // The columns of P this warpgroup writes, partitioned like its S accumulator.
+    Tensor tSsP = thr_mma_s.partition_C(local_tile(sP, Shape<Int<kBlockM>, KeysPerS>{},
+                                                   make_coord(0, s_key_tile)));              // (MMA, MMA_M, MMA_N)
+    // Coordinates (row, key within the slice) of each S element this thread holds.
     Tensor tScS = as_rows_cols(thr_mma_s.partition_C(
-        make_identity_tensor(Shape<Int<kBlockM>, KeysPerWg>{})));                            // (ROW, COL)
+        make_identity_tensor(Shape<Int<kBlockM>, KeysPerS>{})));                             // (ROW, COL)
     Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kBlockM>, ColsPerWg>{});            // (MMA, MMA_M, MMA_N)
     Tensor O = as_rows_cols(tOrO);                                                           // (ROW, COL)
     clear(tOrO);
@@ -242,60 +252,94 @@ struct SplitKvKernel {
       };
       if constexpr (!kRefillBehindS) refill_other_stage();
 
-      // S = Q K^T over this warpgroup's 32 keys of the page
-      Tensor sK = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutK{});   // (BLK_N, D_QK)
-      Tensor tSrK = thr_mma_s.partition_fragment_B(local_tile(sK, Shape<KeysPerWg, Int<kHeadDimQK>>{},
-                                                              make_coord(warpgroup, 0)));    // (MMA, MMA_N, MMA_K)
-      Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, KeysPerWg>{});           // (MMA, MMA_M, MMA_N)
-      wgmma_issue(mma_s, tSrQ, tSrK, tSrS, /*zero_init=*/true);
-      if constexpr (kRefillBehindS) refill_other_stage();
-      wgmma_wait<0>(tSrS);
-      Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
+      // kSOwner: warpgroup i % 2 owns page i's S and softmax; the other only rescales and does its P V half.
+      const bool s_owner = !kSOwner || (i & 1) == warpgroup;
 
-      // Mask keys past the piece (past L) and, when causal, past each row's last visible key.
-      const int key0 = page_start + warpgroup * Traits::kKeysPerWarpgroup;
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        float m = -INFINITY;
+      // S = Q K^T over this warpgroup's keys of the page
+      Tensor sK = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutK{});   // (BLK_N, D_QK)
+      Tensor tSrK = thr_mma_s.partition_fragment_B(local_tile(sK, Shape<KeysPerS, Int<kHeadDimQK>>{},
+                                                              make_coord(s_key_tile, 0)));   // (MMA, MMA_N, MMA_K)
+      Tensor tSrS = partition_fragment_C(mma_s, Shape<Int<kBlockM>, KeysPerS>{});            // (MMA, MMA_M, MMA_N)
+      Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
+      if (s_owner) wgmma_issue(mma_s, tSrQ, tSrK, tSrS, /*zero_init=*/true);
+      if constexpr (kRefillBehindS) refill_other_stage();
+
+      // Mask keys past the piece (past L) and, when causal, past each row's last visible key; row maxima.
+      float page_max[kRows];
+      if (s_owner) {
+        wgmma_wait<0>(tSrS);
+        const int key0 = page_start + s_key_tile * kKeysPerS;
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          const int key = key0 + get<1>(tScS(r, c));
-          const bool visible = key < piece.end && key <= last_visible[r];
-          S(r, c) = visible ? S(r, c) : -INFINITY;
-          m = fmaxf(m, S(r, c));
+        for (int r = 0; r < kRows; ++r) {
+          float m = -INFINITY;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            const int key = key0 + get<1>(tScS(r, c));
+            const bool visible = key < piece.end && key <= last_visible[r];
+            S(r, c) = visible ? S(r, c) : -INFINITY;
+            m = fmaxf(m, S(r, c));
+          }
+          page_max[r] = quad_max(m);
+          if (!kSOwner && quad_leader) smem.row_max[warpgroup][get<0>(tScS(r, 0))] = page_max[r];
         }
-        m = quad_max(m);
-        if (quad_leader) smem.row_max[warpgroup][get<0>(tScS(r, 0))] = m;
       }
-      barrier_sync<kThreads>(SplitKvBarrier::kRowMaxExchanged);
-      // Both warpgroups' S of the piece's last page is done: the Q tile is free for the next piece.
-      if (last && prefetch_next) {
-        load_q_tile(p, smem, next.seq, kv_head, m_tile);
-        cp_async_commit();
+      if constexpr (!kSOwner) {
+        barrier_sync<kThreads>(SplitKvBarrier::kRowMaxExchanged);
+        CUTE_UNROLL
+        for (int r = 0; r < kRows; ++r) {
+          const int row = get<0>(tScS(r, 0));
+          page_max[r] = fmaxf(smem.row_max[0][row], smem.row_max[1][row]);
+        }
+        // Both warpgroups' S of the piece's last page is done: the Q tile is free for the next piece.
+        if (last && prefetch_next) {
+          load_q_tile(p, smem, next.seq, kv_head, m_tile);
+          cp_async_commit();
+        }
       }
 
       // Online softmax: P = exp2(S * scale - m), rescale O and the row sums by exp2(m_old - m).
-      CUTE_UNROLL
-      for (int r = 0; r < kRows; ++r) {
-        const int row = get<0>(tScS(r, 0));
-        const float new_max = fmaxf(row_max[r], fmaxf(smem.row_max[0][row], smem.row_max[1][row]));
-        const float base = new_max == -INFINITY ? 0.f : new_max * p.scale_log2;   // no key yet: avoid inf - inf
-        const float rescale = exp2f(row_max[r] * p.scale_log2 - base);
-        row_max[r] = new_max;
-        float sum = 0.f;
+      if (s_owner) {
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(S); ++c) {
-          S(r, c) = exp2f(S(r, c) * p.scale_log2 - base);
-          sum += S(r, c);
+        for (int r = 0; r < kRows; ++r) {
+          const float new_max = fmaxf(row_max[r], page_max[r]);
+          const float base = new_max == -INFINITY ? 0.f : new_max * p.scale_log2;   // no key yet: no inf - inf
+          const float rescale = exp2f(row_max[r] * p.scale_log2 - base);
+          row_max[r] = new_max;
+          float sum = 0.f;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(S); ++c) {
+            S(r, c) = exp2f(S(r, c) * p.scale_log2 - base);
+            sum += S(r, c);
+          }
+          row_sum[r] = row_sum[r] * rescale + sum;
+          CUTE_UNROLL
+          for (int c = 0; c < size<1>(O); ++c) O(r, c) *= rescale;
+          if (kSOwner && quad_leader) smem.row_max[0][get<0>(tScS(r, 0))] = new_max;   // for the other warpgroup
         }
-        row_sum[r] = row_sum[r] * rescale + sum;
         CUTE_UNROLL
-        for (int c = 0; c < size<1>(O); ++c) O(r, c) *= rescale;
+        for (int e = 0; e < size(tSrS); ++e) tSsP(e) = static_cast<Element>(tSrS(e));
+        cutlass::arch::fence_view_async_shared();   // P was written by ordinary stores; WGMMA reads it next
       }
-      CUTE_UNROLL
-      for (int e = 0; e < size(tSrS); ++e) tSsP(e) = static_cast<Element>(tSrS(e));
-      cutlass::arch::fence_view_async_shared();   // P was written by ordinary stores; WGMMA reads it next
       barrier_sync<kThreads>(SplitKvBarrier::kProbsWritten);
+      if constexpr (kSOwner) {
+        if (!s_owner) {                             // follow the owner's new maxima: same rescale of O and sums
+          CUTE_UNROLL
+          for (int r = 0; r < kRows; ++r) {
+            const float new_max = smem.row_max[0][get<0>(tScS(r, 0))];
+            const float base = new_max == -INFINITY ? 0.f : new_max * p.scale_log2;
+            const float rescale = exp2f(row_max[r] * p.scale_log2 - base);
+            row_max[r] = new_max;
+            row_sum[r] *= rescale;
+            CUTE_UNROLL
+            for (int c = 0; c < size<1>(O); ++c) O(r, c) *= rescale;
+          }
+        }
+        // The owner's S of the piece's last page is done: the Q tile is free for the next piece.
+        if (last && prefetch_next) {
+          load_q_tile(p, smem, next.seq, kv_head, m_tile);
+          cp_async_commit();
+        }
+      }
 
       // O += P V over this warpgroup's 256 output columns
       Tensor sVt = make_tensor(make_smem_ptr(smem.k[stage].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
@@ -410,16 +454,16 @@ struct SplitKvKernel {
   }
 };
 
-template <class Traits, bool kRefillBehindS>
+template <class Traits, int kPipeline>
 __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const __grid_constant__ DecodeParams params) {
   extern __shared__ __align__(1024) char smem[];
-  SplitKvKernel<Traits, kRefillBehindS>::run(params, smem);
+  SplitKvKernel<Traits, kPipeline>::run(params, smem);
 }
 
-template <class Element, bool kRefillBehindS>
+template <class Element, int kPipeline>
 void launch_splitkv_variant(const DecodeParams& params, cudaStream_t stream) {
   using Traits = SplitKvTraits<Element>;
-  auto kernel = mla_splitkv_kernel<Traits, kRefillBehindS>;
+  auto kernel = mla_splitkv_kernel<Traits, kPipeline>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   const dim3 grid(params.num_row_tiles, params.num_heads_k, params.num_sm_parts);
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(params);
@@ -428,10 +472,10 @@ void launch_splitkv_variant(const DecodeParams& params, cudaStream_t stream) {
 // Runtime -> template dispatch of the kernel variant (DecodeParams::pipeline, see params.h).
 template <class Element>
 void launch_splitkv(const DecodeParams& params, cudaStream_t stream) {
-  if (params.pipeline == kPipelineRefillFirst) {
-    launch_splitkv_variant<Element, false>(params, stream);
-  } else {
-    launch_splitkv_variant<Element, true>(params, stream);
+  switch (params.pipeline) {
+    case kPipelineRefillFirst: launch_splitkv_variant<Element, kPipelineRefillFirst>(params, stream); break;
+    case kPipelineSOwner: launch_splitkv_variant<Element, kPipelineSOwner>(params, stream); break;
+    default: launch_splitkv_variant<Element, kPipelineRefillBehindS>(params, stream); break;
   }
 }
 
