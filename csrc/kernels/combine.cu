@@ -37,7 +37,7 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   const int num_pieces = p.num_splits[seq + 1] - first_slot;
   if (num_pieces <= 1 || row >= p.rows_per_kv) return;
   // Workspace slots exist for [0, batch + num_sm_parts): num_splits from a different plan must not run past it.
-  if (p.num_splits[seq + 1] > p.batch + p.num_sm_parts) return;
+  if (first_slot < 0 || p.num_splits[seq + 1] > p.batch + p.num_sm_parts) return;
 
   // Partial row `row` of piece k lives at ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
   const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;

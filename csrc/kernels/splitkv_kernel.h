@@ -363,9 +363,11 @@ struct SplitKvKernel {
     for (int r = 0; r < kRows; ++r) {
       const int row = get<0>(tScS(r, 0));
       const float total = smem.row_sum[0][row] + smem.row_sum[1][row];
-      const bool seen = total > 0.f;     // false: the row saw no key of this piece
-      const float inv = seen ? 1.f / total : 0.f;
-      const float lse = seen ? (row_max[r] * p.scale_log2 + log2f(total)) * kLn2 : -INFINITY;
+      // total == 0: the row saw no key of this piece (out 0, lse -inf). A NaN total (NaN in q) stays NaN in out and
+      // lse, so the combine kernel propagates it too instead of mistaking the row for one that saw no key.
+      const bool no_key = total == 0.f;
+      const float inv = no_key ? 0.f : 1.f / total;
+      const float lse = no_key ? -INFINITY : (row_max[r] * p.scale_log2 + log2f(total)) * kLn2;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
       write_row(p, piece, kv_head, m_tile * kBlockM + row, warpgroup, lse, quad_leader,
@@ -385,7 +387,7 @@ struct SplitKvKernel {
   __device__ static void write_row(const DecodeParams& p, const Piece& piece, int kv_head, int row, int warpgroup,
                                    float lse, bool quad_leader, ForEachPair&& for_each_pair) {
     if (row >= p.rows_per_kv) return;       // padding row of the last tile
-    if (piece.split && piece.slot >= p.batch + p.num_sm_parts) return;   // num_splits from another plan
+    if (piece.split && (piece.slot < 0 || piece.slot >= p.batch + p.num_sm_parts)) return;   // foreign num_splits
     const int col0 = warpgroup * Traits::kColsPerWarpgroup;
     if (!piece.split) {
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
