@@ -82,8 +82,8 @@ def main() -> int:
         for _ in range(args.rounds):
             for name in names:
                 set_variant(name)
-                samples[name].append(cuda_median_seconds(lambda: flash_mla.flash_mla_with_kvcache(*call_args,
-                                                                                                  causal=True)))
+                samples[name].append(cuda_median_seconds(
+                    lambda args=call_args: flash_mla.flash_mla_with_kvcache(*args, causal=True)))
         flops, nbytes = decode_flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
         med = {n: statistics.median(v) for n, v in samples.items()}
         cells = " | ".join(f"{med[n] * 1e6:>11.1f} {flops / med[n] / 1e12:>6.1f} {nbytes / med[n] / 1e9:>5.0f}"

@@ -56,7 +56,7 @@ def main() -> None:
             tb.SPLIT_NUM_WARPS = collections.defaultdict(lambda w=warps: w)
             tb.SPLIT_NUM_STAGES = stages
 
-            def step():
+            def step(batch=batch, metadata=metadata, num_splits=num_splits):
                 return tb.mla_decode_triton(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens,
                                             HEAD_DIM_V, metadata, num_splits, HEAD_DIM_QK ** -0.5, True)
             try:
