@@ -6,29 +6,11 @@
 #include <torch/extension.h>
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernels/params.h"
 
 namespace flash_mla {
 namespace {
-
-// Benchmarks compare the page-loop schedules of the split-KV kernel side by side in one process:
-// FLASH_MLA_SPLITKV_PIPELINE=refill_first selects kernel v1's order, =s_owner the experimental one-warpgroup-S
-// schedule (csrc/kernels/params.h PagePipeline). Read per call (a few hundred ns).
-int splitkv_pipeline_from_env() {
-  const char* value = std::getenv("FLASH_MLA_SPLITKV_PIPELINE");
-  if (value == nullptr) return kPipelineRefillBehindS;
-  if (std::strcmp(value, "refill_first") == 0) return kPipelineRefillFirst;
-  if (std::strcmp(value, "s_owner") == 0) return kPipelineSOwner;
-  return kPipelineRefillBehindS;
-}
-// FLASH_MLA_COMBINE_PDL=0 launches the combine kernel without programmatic dependent launch (for comparison).
-bool combine_pdl_from_env() {
-  const char* value = std::getenv("FLASH_MLA_COMBINE_PDL");
-  return value == nullptr || std::strcmp(value, "0") != 0;
-}
 
 #define CHECK_DEVICE(x, dev) TORCH_CHECK((x).device() == (dev), #x ": expected a tensor on ", dev, ", got ", (x).device())
 #define CHECK_DTYPE(x, dt) TORCH_CHECK((x).scalar_type() == (dt), #x ": expected dtype ", dt, ", got ", (x).scalar_type())
@@ -127,8 +109,6 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.num_sm_parts = num_sm_parts;
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.causal = causal;
-  p.pipeline = splitkv_pipeline_from_env();
-  p.combine_pdl = combine_pdl_from_env();
   p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
   p.k_cache = k_cache.data_ptr();
   p.k_block_stride = k_cache.stride(0); p.k_token_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);

@@ -91,9 +91,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=("padded", "small"))
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
-    parser.add_argument("--pipelines", default="refill_behind_s,refill_first,s_owner",
+    parser.add_argument("--pipelines", default="default",
                         help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
-                             "(FLASH_MLA_SPLITKV_PIPELINE; default: all three)")
+                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; "default": the built-in schedule)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")

@@ -89,28 +89,6 @@ def test_ragged_lengths(causal, s_q):
 
 
 @needs_hopper
-@pytest.mark.parametrize("pipeline", ["refill_behind_s", "refill_first", "s_owner"])
-@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, True), (16, 3, False), (128, 2, True), (24, 4, True)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_page_pipelines(pipeline, h_q, s_q, causal, dtype, monkeypatch):
-    """Every page-loop schedule of the split kernel (csrc/kernels/params.h PagePipeline), on pieces that start and
-    end mid-sequence, many pieces per SM part (num_sms small) and L = 0 rows between them."""
-    monkeypatch.setenv("FLASH_MLA_SPLITKV_PIPELINE", pipeline)
-    seqlens = [0, 1, 63, 64, 65, 4097, 0, 2, 127, 128, 3000, 0, 700]
-    *_, metrics = run_case(seqlens, s_q, h_q, causal=causal, dtype=dtype, seed=h_q + s_q)
-    assert_close(metrics, dtype, f"{pipeline} h_q={h_q} s_q={s_q} causal={causal}")
-    gen = torch.Generator().manual_seed(7)
-    batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, device="cuda", causal=causal, generator=gen)
-    ref_out, ref_lse = reference_for(batch, on_device=True)
-    for num_sms in (3, 16):   # few SM parts: each walks many pieces, so the cross-piece prefetch is exercised
-        md, ns = flash_mla.get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1, num_sms=num_sms)
-        poison_cuda_allocator(2 * (len(seqlens) + md.shape[0]) * s_q * h_q * 512 * 4 + len(seqlens) * s_q * h_q * 1024)
-        out, lse = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens,
-                                                    512, md, ns, causal=causal)
-        assert_close(compare(out, lse, ref_out, ref_lse), dtype, f"{pipeline} num_sms={num_sms}")
-
-
-@needs_hopper
 @pytest.mark.parametrize("h_q", [1, 8, 16, 24, 64, 128])
 def test_head_counts(h_q):
     *_, metrics = run_case([1, 63, 64, 65, 1000, 4097], 2, h_q, seed=h_q)

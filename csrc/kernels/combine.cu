@@ -1,9 +1,6 @@
 // Combine kernel: merges the fp32 partial results of split sequences, SPEC.md "Kernels" (3):
 //   lse = log sum_k exp(lse_k),   out = sum_k exp(lse_k - lse) * O_k
 // One warp per packed query row; unsplit sequences were written by the split kernel and are skipped.
-// Launched as a programmatic dependent of the split kernel (PDL): its CTAs are scheduled while the split kernel
-// still runs and wait in griddepcontrol.wait until that grid has finished and its writes are visible, which
-// hides the launch latency between the two kernels.
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -30,14 +27,9 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   const int seq = blockIdx.x, kv_head = blockIdx.y;
   const int row = blockIdx.z * kWarps + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  // Everything below reads what the split kernel wrote (num_splits came from an earlier, finished kernel, but
-  // it is simplest to wait first: the wait costs nothing once the split kernel is done).
-  cudaGridDependencySynchronize();
   const int first_slot = p.num_splits[seq];
   const int num_pieces = p.num_splits[seq + 1] - first_slot;
   if (num_pieces <= 1 || row >= p.rows_per_kv) return;
-  // Workspace slots exist for [0, batch + num_sm_parts): num_splits from a different plan must not run past it.
-  if (first_slot < 0 || p.num_splits[seq + 1] > p.batch + p.num_sm_parts) return;
 
   // Partial row `row` of piece k lives at ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
   const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
@@ -51,14 +43,12 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
   float sum = 0.f;
   for (int k = lane; k < num_pieces; k += 32) sum += __expf(p.lse_partial[first_row + k * piece_stride] - base);
   sum = warp_sum(sum);
-  // sum == 0: no piece saw a key (out 0, lse -inf). A NaN partial (NaN in q) makes sum NaN: it propagates to
-  // out and lse as it would in an unsplit row, instead of being mistaken for "no key".
-  const float lse = sum == 0.f ? -INFINITY : base + __logf(sum);
+  const float lse = sum > 0.f ? base + __logf(sum) : -INFINITY;
 
   // ---- out = sum_k exp(lse_k - lse) O_k ------------------------------------------------------------------
   float4 acc[kColsPerLane / 4];
   for (int v = 0; v < kColsPerLane / 4; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (sum != 0.f) {
+  if (sum > 0.f) {
     for (int k = 0; k < num_pieces; ++k) {
       const int64_t partial_row = first_row + k * piece_stride;
       const float w = __expf(p.lse_partial[partial_row] - lse);
@@ -84,17 +74,8 @@ __global__ void __launch_bounds__(kWarps * 32) mla_combine_kernel(const __grid_c
 
 template <class Element>
 void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(p.batch, p.num_heads_k, (p.rows_per_kv + kWarps - 1) / kWarps);
-  config.blockDim = dim3(kWarps * 32);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = p.combine_pdl ? 1 : 0;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, p);
+  const dim3 grid(p.batch, p.num_heads_k, (p.rows_per_kv + kWarps - 1) / kWarps);
+  mla_combine_kernel<Element><<<grid, kWarps * 32, 0, stream>>>(p);
 }
 
 }  // namespace

@@ -14,13 +14,6 @@ constexpr int kRowsPerTile = 64;      // query rows per CTA (WGMMA M)
 constexpr int kFixedOverhead = 5;     // scheduler cost of one sequence piece, in pages
 constexpr int kMetadataWidth = 8;     // int32 words per SM part
 
-// Page-loop schedules of the split-KV kernel (both are correct; kept side by side for benchmarks/).
-enum PagePipeline : int {
-  kPipelineRefillBehindS = 0,   // default: page i + 1's copies are issued behind S(i)'s WGMMAs
-  kPipelineRefillFirst = 1,     // kernel v1's order: page i + 1's copies first, then S(i)
-  kPipelineSOwner = 2,          // one warpgroup per page computes all of S (N = 64) and the softmax
-};
-
 // Column indices of one tile_scheduler_metadata row.
 enum MetadataField : int { kBeginSeq = 0, kBeginToken = 1, kEndSeq = 2, kEndToken = 3, kBeginSplit = 4 };
 
@@ -42,8 +35,6 @@ struct DecodeParams {
   int num_sm_parts;
   float scale_log2;              // softmax_scale * log2(e): scores go straight into exp2
   bool causal;
-  int pipeline;                  // PagePipeline
-  bool combine_pdl;              // launch the combine kernel as a programmatic dependent of the split kernel
 
   // Inputs (element strides; the last dimension is contiguous).
   const void* q;                 // (batch, seqlen_q, num_heads_q, 576)

@@ -50,9 +50,6 @@ struct SplitKvTraits {
   // S_half = Q K_half^T : (64 x 32) += (64 x 576) (32 x 576)^T, both operands from shared memory.
   using TiledMmaS = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
       Element, Element, float, cute::Shape<BlockM, cute::Int<kKeysPerWarpgroup>, HeadQK>>()));
-  // S = Q K^T for the whole page by one warpgroup (PagePipeline kPipelineSOwner): (64 x 64) += (64 x 576) (64 x 576)^T.
-  using TiledMmaSPage = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<BlockM, BlockN, HeadQK>>()));
   // O_half += P V_half : (64 x 256) += (64 x 64) (64 x 256); V^T is MN-major.
   using TiledMmaO = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
       Element, Element, float, cute::Shape<BlockM, cute::Int<kColsPerWarpgroup>, BlockN>,
