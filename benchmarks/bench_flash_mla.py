@@ -65,6 +65,7 @@ from flash_mla.backends import select_backend
 from flash_mla.testing import (
     COS_TOLERANCE,
     TOLERANCE,
+    cpu_median_seconds,
     cuda_median_seconds,
     decode_flops_and_bytes,
     make_decode_batch,
@@ -178,18 +179,6 @@ def spec_target(wl: Workload) -> tuple[str, float] | None:
 # --------------------------------------------------------------------------------------------------------------
 # ceilings
 # --------------------------------------------------------------------------------------------------------------
-
-def cpu_median_seconds(fn: Callable[[], object], reps: int = 5, calls_per_rep: int = 1, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls_per_rep):
-            fn()
-        times.append((time.perf_counter() - t0) / calls_per_rep)
-    return statistics.median(times)
-
 
 def measure_ceilings(device: torch.device, smoke: bool) -> dict[str, float]:
     if device.type == "cuda":
@@ -690,12 +679,29 @@ def make_plots(rows: list[dict], out_dir: str, ceil: dict[str, float], backends:
     colors = {be: f"C{i}" for i, be in enumerate(backends)}
     paths = []
 
-    def mean_by(items, key):
+    def scatter_with_means(ax, pts, color, label):
+        """Every (x, y) point faintly, and a line through the mean y at each x."""
         groups: dict[float, list[float]] = {}
-        for x, y in items:
+        for x, y in pts:
             groups.setdefault(x, []).append(y)
         xs = sorted(groups)
-        return xs, [statistics.mean(groups[x]) for x in xs]
+        ax.scatter(*zip(*pts), color=color, alpha=0.35, s=14)
+        ax.plot(xs, [statistics.mean(groups[x]) for x in xs], color=color, marker="o", label=label)
+
+    def finish_axes(ax, ceiling, ceiling_label, xlabel, ylabel):
+        ax.axhline(ceiling, color="gray", linestyle="--", linewidth=1, label=ceiling_label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+    def save(fig, name):
+        fig.tight_layout()
+        path = os.path.join(out_dir, name)
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
 
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     ax = axes[0]
@@ -703,8 +709,7 @@ def make_plots(rows: list[dict], out_dir: str, ceil: dict[str, float], backends:
         pts = [(r["mean_L"], r["GBps"]) for r in ok
                if r["backend"] == be and r["group"] == "reference" and r["s_q"] * r["h_q"] <= 64]
         if pts:
-            ax.scatter(*zip(*pts), color=colors[be], alpha=0.35, s=14)
-            ax.plot(*mean_by(pts, 0), color=colors[be], marker="o", label=be)
+            scatter_with_means(ax, pts, colors[be], be)
     ax.set_title(f"reference rows, memory-bound (h_q*s_q <= 64), b = {_values(ok, 'reference', 'b')}")
     ax = axes[1]
     styles = ["-", "--", ":", "-."]
@@ -717,40 +722,22 @@ def make_plots(rows: list[dict], out_dir: str, ceil: dict[str, float], backends:
                     label=f"{be} b={bsz}")
     ax.set_title(f"long contexts at small batch (h_q = {_values(ok, 'long', 'h_q')}, s_q = 1)")
     for ax in axes:
-        ax.axhline(ceil["copy_GBps"], color="gray", linestyle="--", linewidth=1, label="copy ceiling")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("context length (tokens; mean for variable lengths)")
-        ax.set_ylabel("GB/s (SPEC bytes / time)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "gbps_vs_context.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+        finish_axes(ax, ceil["copy_GBps"], "copy ceiling", "context length (tokens; mean for variable lengths)",
+                    "GB/s (SPEC bytes / time)")
+    save(fig, "gbps_vs_context.png")
 
     fig, ax = plt.subplots(figsize=(8, 5))
     for be in backends:
         pts = [(r["s_q"] * r["h_q"], r["TFLOPs"]) for r in ok if r["backend"] == be and r["group"] == "reference"]
         if pts:
-            ax.scatter(*zip(*pts), color=colors[be], alpha=0.35, s=14)
-            ax.plot(*mean_by(pts, 0), color=colors[be], marker="o",
-                    label=f"{be} reference (b={_values(ok, 'reference', 'b')})")
+            scatter_with_means(ax, pts, colors[be], f"{be} reference (b={_values(ok, 'reference', 'b')})")
         pts = sorted((r["s_q"] * r["h_q"], r["TFLOPs"]) for r in ok if r["backend"] == be and r["group"] == "specdec")
         if pts:
             ax.plot(*zip(*pts), color=colors[be], marker="s", linestyle="--",
                     label=f"{be} specdec (h_q={_values(ok, 'specdec', 'h_q')})")
-    ax.axhline(ceil["matmul_TFLOPs"], color="gray", linestyle="--", linewidth=1, label="bf16 matmul ceiling")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("query rows per KV head (h_q * s_q)")
-    ax.set_ylabel("TFLOP/s (SPEC FLOPs / time)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = os.path.join(out_dir, "tflops_vs_rows.png")
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    paths.append(path)
+    finish_axes(ax, ceil["matmul_TFLOPs"], "bf16 matmul ceiling", "query rows per KV head (h_q * s_q)",
+                "TFLOP/s (SPEC FLOPs / time)")
+    save(fig, "tflops_vs_rows.png")
     return paths
 
 

@@ -20,6 +20,8 @@ import torch
 HEAD_DIM_QK = 576          # 512 latent ("NoPE") + 64 RoPE columns
 HEAD_DIM_V = 512           # V is the first 512 columns of the cache
 PAGE_BLOCK_SIZE = 64
+METADATA_WIDTH = 8         # int32 words per SM part in tile_scheduler_metadata
+DEFAULT_SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8           # kernels move 16-byte vectors: strides must be multiples of 8 half-precision elements
 DEBUG_ENV_VAR = "FLASH_MLA_DEBUG"
@@ -114,7 +116,7 @@ def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, 
             and block_table.dtype == i32 and block_table.shape[0] == b
             and (block_table.shape[1] == 0 or block_table.stride(1) == 1)
             and cache_seqlens.dtype == i32 and cache_seqlens.shape[0] == b
-            and md.dtype == i32 and md.shape[1] == 8 and md.shape[0] > 0 and md.is_contiguous()
+            and md.dtype == i32 and md.shape[1] == METADATA_WIDTH and md.shape[0] > 0 and md.is_contiguous()
             and ns.dtype == i32 and ns.shape[0] == b + 1
             and k_cache.device == dev and block_table.device == dev and cache_seqlens.device == dev
             and md.device == dev and ns.device == dev
@@ -184,7 +186,7 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     c.dtype("tile_scheduler_metadata", tile_scheduler_metadata, torch.int32)
     c.rank("tile_scheduler_metadata", tile_scheduler_metadata, 2, "(num_sm_parts, 8) from get_mla_metadata")
     c.device("tile_scheduler_metadata", tile_scheduler_metadata, q.device)
-    c.dim("tile_scheduler_metadata", tile_scheduler_metadata, 1, 8, "metadata words per SM part")
+    c.dim("tile_scheduler_metadata", tile_scheduler_metadata, 1, METADATA_WIDTH, "metadata words per SM part")
     if tile_scheduler_metadata.shape[0] == 0:
         c.fail(ValueError, "tile_scheduler_metadata", "at least one SM part", "shape (0, 8)")
     if not tile_scheduler_metadata.is_contiguous():

@@ -95,20 +95,12 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
 
 # ---- running a call (arguments already validated); shared by the eager API and the torch.library ops ---------
 
-_NUM_SMS: dict[tuple[str, int | None], int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def default_num_sms(device: torch.device) -> int:
     """Multiprocessors get_mla_metadata plans for by default: the GPU's count, or 132 (an H100) on the CPU."""
-    key = (device.type, device.index)
-    n = _NUM_SMS.get(key)
-    if n is None:
-        if device.type == "cuda":
-            n = torch.cuda.get_device_properties(device).multi_processor_count
-        else:
-            n = DEFAULT_CPU_NUM_SMS
-        _NUM_SMS[key] = n
-    return n
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_CPU_NUM_SMS
 
 
 def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,

@@ -15,7 +15,6 @@ from . import _validation
 from . import ops as _ops
 from .backends import DEFAULT_CPU_NUM_SMS, default_num_sms, run_decode, run_metadata  # noqa: F401
 
-DEFAULT_SOFTMAX_SCALE = _validation.HEAD_DIM_QK ** -0.5
 
 if _ops.AVAILABLE and hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
     _is_compiling = torch.compiler.is_compiling
@@ -81,6 +80,6 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                                        num_splits, softmax_scale, causal, backend)
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal)
-    softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+    softmax_scale = _validation.DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale, causal, backend)

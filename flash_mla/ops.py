@@ -27,7 +27,6 @@ from .backends import default_num_sms, run_decode, run_metadata
 from .scheduler import METADATA_WIDTH, num_sm_parts_for
 
 AVAILABLE = hasattr(torch.library, "custom_op")   # torch >= 2.4
-DEFAULT_SOFTMAX_SCALE = _validation.HEAD_DIM_QK ** -0.5
 
 
 def _resolve_num_sms(num_sms: int, device: torch.device) -> int:
@@ -88,6 +87,6 @@ def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     then call the op (whose real implementation checks pointer alignment and, in debug mode, the values)."""
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal, pointers=False)
-    scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+    scale = _validation.DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                           tile_scheduler_metadata, num_splits, scale, causal, backend)

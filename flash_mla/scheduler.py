@@ -13,11 +13,11 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ._validation import PAGE_BLOCK_SIZE  # tokens per KV-cache page: the scheduler's unit of work
+# PAGE_BLOCK_SIZE: tokens per KV-cache page, the scheduler's unit of work
+from ._validation import METADATA_WIDTH, PAGE_BLOCK_SIZE
 
 FIXED_OVERHEAD = 5            # block-equivalents charged per sequence piece
 ROWS_PER_TILE = 64            # query rows one CTA processes (the WGMMA M dimension)
-METADATA_WIDTH = 8            # int32 words per SM part in tile_scheduler_metadata
 
 # Column indices of one tile_scheduler_metadata row.
 BEGIN_SEQ, BEGIN_TOKEN, END_SEQ, END_TOKEN, BEGIN_SPLIT = range(5)
@@ -49,8 +49,8 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int) -> Tuple[List[List[int]]
     b = len(seqlens)
     if b == 0:
         raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
-    if min(int(L) for L in seqlens) < 0:
-        i = next(i for i, L in enumerate(seqlens) if int(L) < 0)
+    i = next((i for i, L in enumerate(seqlens) if int(L) < 0), None)
+    if i is not None:
         raise ValueError(f"get_mla_metadata: cache_seqlens[{i}]: expected a length >= 0, got {int(seqlens[i])}")
     blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
     total = sum(blocks) + FIXED_OVERHEAD * b

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Sequence
 
@@ -139,6 +140,19 @@ def cuda_median_seconds(fn: Callable[[], object], reps: int = 15, calls_per_rep:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) / 1e3 / calls_per_rep)
+    return statistics.median(times)
+
+
+def cpu_median_seconds(fn: Callable[[], object], reps: int = 5, calls_per_rep: int = 1, warmup: int = 1) -> float:
+    """Median wall-clock seconds per fn() call (host timing: CPU work, or host-side overhead of a GPU call)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(calls_per_rep):
+            fn()
+        times.append((time.perf_counter() - t0) / calls_per_rep)
     return statistics.median(times)
 
 

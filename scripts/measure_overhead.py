@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -20,15 +18,9 @@ sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def per_call_us(fn, calls: int, reps: int = 7) -> float:
-    for _ in range(calls // 10):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+    from flash_mla.testing import cpu_median_seconds
+
+    return cpu_median_seconds(fn, reps=reps, calls_per_rep=calls, warmup=calls // 10) * 1e6
 
 
 def main() -> int:
