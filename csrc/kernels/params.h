@@ -51,6 +51,11 @@ struct DecodeParams {
   void* out;                     // (batch, seqlen_q, num_heads_q, 512)
   float* lse;                    // (batch, num_heads_q, seqlen_q)
 
+  // Optional attention sink per query head (nullptr: none). A row's out is scaled by
+  // 1 / (1 + exp(attn_sink[head] - lse)); lse itself is returned unchanged. Applied where a row's final result
+  // is written: the split kernel's epilogue for unsplit sequences, the combine kernel for split ones.
+  const float* attn_sink;        // (num_heads_q,)
+
   // Workspace for split sequences, one slot per piece (slot = num_splits[seq] + split_idx).
   float* o_partial;              // (num_slots, num_heads_k, rows_per_kv, 512)
   float* lse_partial;            // (num_slots, num_heads_k, rows_per_kv)
