@@ -1,7 +1,9 @@
 // Host-side proof of the shared-memory layout facts the split-KV kernel relies on (run by the CPU tests):
 //  1. V^T (SmemLayoutVt) addresses exactly the bytes of the K page (SmemLayoutK) transposed.
-//  2. Moving 32 rows or one 64-column segment in a Q/K tile adds a constant (the copy mapping's shortcut).
+//  2. Moving 16 rows or one 64-column segment in a Q/K tile adds a constant (the copy mapping's shortcut).
 //  3. Each 16-byte chunk (8 elements) stays contiguous under the swizzle.
+//  4. Value i of a thread's S accumulator (64 x 64) is the same (row, key) as value i of its P operand for
+//     O += P V (RS WGMMA, 4 K blocks of 16): P is S converted element by element, no shuffle.
 #include <cstdio>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -22,16 +24,27 @@ int check() {
   for (int t = 0; t < T::kBlockN; ++t)
     for (int d = 0; d < flash_mla::kHeadDimV; ++d)
       if (vt(d, t) != k(t, d) && errors++ < 5) printf("Vt(%d,%d)=%d != K(%d,%d)=%d\n", d, t, vt(d, t), t, d, k(t, d));
-  for (int r = 0; r < 32; ++r)
+  for (int r = 0; r < 16; ++r)
     for (int c = 0; c < 64; c += 8)
-      for (int h = 0; h < 2; ++h)
+      for (int h = 0; h < 4; ++h)
         for (int s = 0; s < 9; ++s) {
-          const int expect = k(r, c) + h * 32 * 64 + s * 64 * 64;
-          if ((k(r + 32 * h, c + 64 * s) != expect || q(r + 32 * h, c + 64 * s) != expect) && errors++ < 10)
+          const int expect = k(r, c) + h * 16 * 64 + s * 64 * 64;
+          if ((k(r + 16 * h, c + 64 * s) != expect || q(r + 16 * h, c + 64 * s) != expect) && errors++ < 10)
             printf("copy shortcut fails at r=%d c=%d h=%d s=%d\n", r, c, h, s);
           for (int e = 1; e < 8; ++e)
-            if (k(r + 32 * h, c + 64 * s + e) != expect + e && errors++ < 10) printf("chunk not contiguous\n");
+            if (k(r + 16 * h, c + 64 * s + e) != expect + e && errors++ < 10) printf("chunk not contiguous\n");
         }
+  // (thread, value) -> column-major index in the (64 x 64) S tile / the (64 x 16) A tile of one K block.
+  auto s_tv = typename T::TiledMmaS{}.get_layoutC_TV();
+  auto p_tv = typename T::TiledMmaO{}.get_layoutA_TV();
+  constexpr int kPerBlock = 8;   // P values of one thread per 16-wide K block
+  if (int(size<1>(s_tv)) != 4 * kPerBlock || int(size<1>(p_tv)) != kPerBlock) errors++, printf("unexpected TV sizes\n");
+  for (int t = 0; t < 128; ++t)
+    for (int i = 0; i < 4 * kPerBlock; ++i) {
+      const int s_idx = s_tv(t, i), p_idx = p_tv(t, i % kPerBlock) + 64 * 16 * (i / kPerBlock);
+      if (s_idx != p_idx && errors++ < 10) printf("S value %d of thread %d is (%d,%d), P's is (%d,%d)\n", i, t,
+                                                  s_idx % 64, s_idx / 64, p_idx % 64, p_idx / 64);
+    }
   printf("%s: %d errors; smem bytes %d\n", sizeof(Element) == 2 ? "16-bit" : "?", errors, T::kSmemBytes);
   return errors;
 }

@@ -1,5 +1,6 @@
-// CTA-wide named barriers of the split-KV kernel, each named by the event it signals.
-// Both warpgroups (all 256 threads) take part in every one of them.
+// Named barriers between the two warpgroups of the split-KV kernel, each named by the event it signals.
+// Each is a producer/consumer pair: one warpgroup arrives (does not wait), the other syncs (waits), so 256
+// threads take part and only the consumer ever stalls.
 #pragma once
 
 #include <cutlass/arch/barrier.h>
@@ -7,15 +8,17 @@
 namespace flash_mla {
 
 enum class SplitKvBarrier : uint32_t {
-  kPageLanded = 0,       // the page (and, first time, the Q tile) copied by cp.async is visible to WGMMA
-  kRowMaxExchanged = 1,  // each warpgroup published its half-page row maxima
-  kProbsWritten = 2,     // each warpgroup wrote its half of P (64 x 64) to shared memory
-  kRowSumExchanged = 3,  // each warpgroup published its partial row sums
+  kPageAProbsReady = 0,   // kPageA wrote P_a, m_a and rowsum_a to the mailbox (and its S_a is complete)
+  kPageBProbsReady = 1,   // kPageB read them and wrote P_b, m_b and l (and its S_b is complete)
 };
 
-template <int NumThreads>
+constexpr uint32_t kBarrierThreads = 256;
+
+__device__ __forceinline__ void barrier_arrive(SplitKvBarrier barrier) {
+  cutlass::arch::NamedBarrier::arrive(kBarrierThreads, static_cast<uint32_t>(barrier));
+}
 __device__ __forceinline__ void barrier_sync(SplitKvBarrier barrier) {
-  cutlass::arch::NamedBarrier::sync(NumThreads, static_cast<uint32_t>(barrier));
+  cutlass::arch::NamedBarrier::sync(kBarrierThreads, static_cast<uint32_t>(barrier));
 }
 
 }  // namespace flash_mla

@@ -1,4 +1,5 @@
-// Compile-time configuration of the split-KV kernel: tile sizes, shared-memory layouts, WGMMA shapes.
+// Compile-time configuration of the split-KV kernel: tile sizes, shared-memory layouts, WGMMA shapes,
+// the page-segment bookkeeping and the shared-memory plan.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -8,31 +9,47 @@
 
 namespace flash_mla {
 
-enum class WarpgroupRole : int {
-  // Both warpgroups compute half of S (32 of the page's 64 keys) and half of O (256 of 512 columns); the
-  // row statistics and P are exchanged through shared memory, so every WGMMA has real work to do.
-  kLowHalf = 0,
-  kHighHalf = 1,
-};
+// The two warpgroups of a CTA. Pages of a piece are taken in pairs (a, b) = (2j, 2j + 1):
+//   kPageA computes S = Q K_a^T and its softmax, and owns O[:, 0:256];
+//   kPageB computes S = Q K_b^T and its softmax, and owns O[:, 256:512].
+// Each applies both pages' probabilities to its half of O (see mainloop.h for the schedule).
+enum class WarpgroupRole : int { kPageA = 0, kPageB = 1 };
 
 template <class Element_>
 struct SplitKvTraits {
   using Element = Element_;
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
-  static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page per main-loop step
+  static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
   static constexpr int kNumWarpgroups = 2;
-  static constexpr int kThreads = kNumWarpgroups * 128;
-  static constexpr int kKeysPerWarpgroup = kBlockN / kNumWarpgroups;      // 32: N of S = Q K^T
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kThreads = kNumWarpgroups * kWarpgroupThreads;
   static constexpr int kColsPerWarpgroup = kHeadDimV / kNumWarpgroups;    // 256: N of O = P V (WGMMA max)
-  static constexpr int kStages = 2;                                       // K pages in flight
   static constexpr int kVecElems = 16 / sizeof(Element);                  // one cp.async moves 16 bytes
-  static_assert(kHeadDimQK % 64 == 0 && kHeadDimV % 64 == 0, "128-byte swizzle atoms tile the head dims");
+  static constexpr int kStages = 2;                                       // page buffers: a and b of a pair
+
+  // A page (and the Q tile) is copied and waited for in 64-column segments: one 128-byte swizzle atom row.
+  static constexpr int kSegmentCols = 128 / sizeof(Element);                           // 64
+  static constexpr int kSegments = kHeadDimQK / kSegmentCols;                          // 9
+  static constexpr int kRopeSegment = kSegments - 1;                                   // 8: columns 512..575
+  static constexpr int kSegmentsPerVHalf = kColsPerWarpgroup / kSegmentCols;           // 4
+  static constexpr int kKBlocksPerSegment = kSegmentCols / 16;                         // 4 WGMMA K steps
+  static_assert(kHeadDimQK % kSegmentCols == 0 && kHeadDimV % kSegmentCols == 0, "whole segments");
+  static_assert(kRopeSegment * kSegmentCols == kHeadDimV, "the last segment is exactly the RoPE part");
   static_assert(kColsPerWarpgroup <= 256, "WGMMA N is at most 256");
+
+  // Which warpgroup refills segment `seg` of buffer `stage`: the one whose work reads it last.
+  //   V columns [0, 256)   (segments 0-3): read last by kPageA's P V of both pages;
+  //   V columns [256, 512) (segments 4-7): read last by kPageB's P V of both pages;
+  //   RoPE columns (segment 8): read only by S, i.e. by the warpgroup that computes S for that buffer.
+  static constexpr __host__ __device__ int segment_owner(int stage, int seg) {
+    return seg < kSegmentsPerVHalf ? 0 : seg < kRopeSegment ? 1 : stage;
+  }
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
   using HeadQK = cute::Int<kHeadDimQK>;
   using HeadV = cute::Int<kHeadDimV>;
+  using ColsPerWg = cute::Int<kColsPerWarpgroup>;
 
   // Q and K pages are K-major (head dim contiguous) with the 128-byte swizzle WGMMA reads conflict-free.
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
@@ -44,26 +61,35 @@ struct SplitKvTraits {
   using SmemLayoutVt = decltype(cute::tile_to_shape(cute::GMMA::Layout_MN_SW128_Atom<Element>{},
                                                     cute::Shape<HeadV, BlockN>{},
                                                     cute::Step<cute::_2, cute::_1>{}));             // (D_V, BLK_N)
-  using SmemLayoutP = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Element>{},
-                                                   cute::Shape<BlockM, BlockN>{}));                 // (BLK_M, BLK_N)
 
-  // S_half = Q K_half^T : (64 x 32) += (64 x 576) (32 x 576)^T, both operands from shared memory.
+  // S = Q K^T : (64 x 64) = (64 x 576) (64 x 576)^T, both operands from shared memory.
   using TiledMmaS = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<BlockM, cute::Int<kKeysPerWarpgroup>, HeadQK>>()));
-  // O_half += P V_half : (64 x 256) += (64 x 64) (64 x 256); V^T is MN-major.
-  using TiledMmaO = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
-      Element, Element, float, cute::Shape<BlockM, cute::Int<kColsPerWarpgroup>, BlockN>,
+      Element, Element, float, cute::Shape<BlockM, BlockN, HeadQK>>()));
+  // O_half += P V_half : (64 x 256) += (64 x 64) (64 x 256); P from registers, V^T MN-major in shared memory.
+  using TiledMmaO = decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<
+      Element, Element, float, cute::Shape<BlockM, ColsPerWg, BlockN>,
       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
+
+  // Per-thread register fragments exchanged through the shared-memory mailbox (see mainloop.h).
+  static constexpr int kProbsPerThread = kBlockM * kBlockN / kWarpgroupThreads;          // 32 of P
+  static constexpr int kProbVectors = kProbsPerThread * int(sizeof(Element)) / 16;        // 4 x 16 bytes
 
   struct SharedStorage {
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>> q;
     alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>> k[kStages];
-    alignas(1024) cute::array_aligned<Element, cute::cosize_v<SmemLayoutP>> p;
-    float row_max[kNumWarpgroups][kBlockM];   // per-warpgroup maxima of the current page's raw scores
-    float row_sum[kNumWarpgroups][kBlockM];   // per-warpgroup softmax denominators, at the end of a piece
+    // Mailbox between the warpgroups: thread t of one warpgroup hands thread t of the other (which holds the
+    // same accumulator rows) its P fragment (vector v at probs[v][t]: a warp's 16-byte stores are contiguous)
+    // and its two rows' statistics. kPageA writes (P_a; m_a, rowsum_a), kPageB reads them and then writes
+    // (P_b; m_b, l) into the same slots, which kPageA reads before it writes the next pair's: each thread
+    // only ever reads and then writes its own slots, so one mailbox serves both directions.
+    alignas(16) uint4 probs[kProbVectors][kWarpgroupThreads];
+    alignas(16) float4 stats[kWarpgroupThreads];     // (max row 0, max row 1, sum row 0, sum row 1)
+    // Completion of each 64-column segment of each page buffer, and of the Q tile (cp.async arrivals).
+    alignas(8) uint64_t segment_full[kStages][kSegments];
+    alignas(8) uint64_t q_full;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
-  static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + P must fit in one SM's shared memory");
+  static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + the mailbox must fit in one SM's shared memory");
 };
 
 }  // namespace flash_mla

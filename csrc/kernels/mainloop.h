@@ -1,0 +1,402 @@
+// Mainloop of the split-KV kernel: page copies, their barriers, and the two warpgroups' "seesaw" schedule.
+//
+// Per pair of pages (a, b) of a piece, with m the running row maximum before the pair:
+//
+//   kPageA (warpgroup 0, owns O_L = O[:, 0:256])      kPageB (warpgroup 1, owns O_R = O[:, 256:512])
+//   ------------------------------------------------  ------------------------------------------------
+//   S_a = Q K_a^T                       (WGMMA SS)     S_b = Q K_b^T                       (WGMMA SS)
+//   m_a = max(m, rowmax S_a)                           .
+//   P_a = exp2(S_a - m_a)                              .
+//   post P_a, m_a, rowsum P_a ------ kPageAProbsReady -> take P_a, m_a, rowsum P_a
+//   O_L = O_L * e^(m - m_a)                            m_b = max(m_a, rowmax S_b), P_b = exp2(S_b - m_b)
+//   O_L += P_a V_a[:, 0:256]            (WGMMA RS)     l = l e^(m - m_b) + rowsum P_a e^(m_a - m_b) + rowsum P_b
+//   take P_b, m_b, l <-------------- kPageBProbsReady -- post P_b, m_b, l
+//   O_L = O_L * e^(m_a - m_b)                          O_R = O_R * e^(m - m_a)
+//   O_L += P_b V_b[:, 0:256]            (WGMMA RS)     O_R += P_a V_a[:, 256:512]          (WGMMA RS)
+//                                                      O_R = O_R * e^(m_a - m_b)
+//                                                      O_R += P_b V_b[:, 256:512]          (WGMMA RS)
+//
+// so one warpgroup's softmax runs while the other's WGMMAs do, and S_b overlaps everything kPageA does
+// between S_a and its wait for P_b. (e^x here means exp2 of x times the softmax scale.) A piece with an odd
+// number of pages ends with a pair without b: kPageB then only applies P_a and posts m_b = m_a.
+//
+// Copies: cp.async, 16 bytes per thread, zero-filled past the piece's end (slots past a sequence's length
+// may hold NaN, and P = 0 times NaN would still be NaN in P V). Page k of a piece lives in buffer k % 2;
+// each 64-column segment of a buffer has its own mbarrier, and the warpgroup whose work reads a segment last
+// refills it with the next page for that buffer (possibly the next piece's) as soon as it is done with it
+// (SplitKvTraits::segment_owner): the RoPE segment right after S, each V half after its last P V. S takes
+// its K blocks in the order the segments are refilled (RoPE first), so it starts before the page has landed.
+// kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "epilogue.h"
+#include "named_barriers.h"
+#include "params.h"
+#include "softmax.h"
+#include "splitkv_traits.h"
+#include "tile_scheduler.h"
+#include "utils.h"
+
+namespace flash_mla {
+
+// Phase bits of the mbarriers, tracked identically by both warpgroups.
+struct PipelinePhases {
+  uint32_t page[2] = {0, 0};    // segment_full[stage][*]: flips each time a page of that buffer is consumed
+  uint32_t q = 0;               // q_full: flips each time a piece with pages is done
+};
+
+template <class Traits>
+struct SplitKvMainloop {
+  using Element = typename Traits::Element;
+  using SharedStorage = typename Traits::SharedStorage;
+  using Epilogue = SplitKvEpilogue<Traits>;
+  using BlockM = typename Traits::BlockM;
+  using BlockN = typename Traits::BlockN;
+  using ColsPerWg = typename Traits::ColsPerWg;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kSegments = Traits::kSegments;
+  static constexpr int kSegmentCols = Traits::kSegmentCols;
+  static constexpr int kRope = Traits::kRopeSegment;
+  static constexpr int kVHalf = Traits::kSegmentsPerVHalf;
+  static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+
+  // ===================================== copies (global -> shared) ===========================================
+
+  // A warpgroup copies a 64 x 64 segment in 16-byte chunks: thread t owns chunk t % 8 of rows t / 8 + 16 i.
+  // Moving by 16 rows (two 8-row swizzle atoms) or by one segment adds a constant that leaves the swizzle
+  // bits alone, so only the first address goes through the swizzled layout.
+  static constexpr int kCopyRowStep = kWgThreads / 8;                 // 16 rows
+  static constexpr int kCopyRowIters = kBlockN / kCopyRowStep;        // 4
+  static_assert(Traits::kBlockM == kBlockN, "Q tiles and K pages share the copy mapping");
+  static_assert(kSegmentCols == 8 * Traits::kVecElems, "8 chunks of 16 bytes per swizzle atom row");
+  static_assert(kCopyRowStep % 8 == 0, "row steps are whole swizzle atoms");
+
+  __device__ static Element* copy_dst(Element* tile, int wg_thread, int row_iter, int seg) {
+    using namespace cute;
+    static_assert(decltype(cosize(typename Traits::SmemLayoutK{}))::value == kBlockN * kHeadDimQK, "dense tile");
+    Tensor sX = make_tensor(make_smem_ptr(tile), typename Traits::SmemLayoutK{});     // (BLK_N, D_QK)
+    const int r = wg_thread / 8, c = wg_thread % 8 * Traits::kVecElems;
+    return &sX(r, c) + row_iter * kCopyRowStep * kSegmentCols + seg * kBlockN * kSegmentCols;
+  }
+
+  // Segments [first_seg, first_seg + num_segs) of page `fill` into buffer `stage`, each arriving on its barrier
+  // when this warpgroup's copies of it have landed. Nothing to do when no page is left for the buffer.
+  __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, const PageFill& fill,
+                                int kv_head, int first_seg, int num_segs) {
+    if (!fill.valid()) return;
+    const int wg_thread = threadIdx.x % kWgThreads;
+    const Element* cache = static_cast<const Element*>(p.k_cache);
+    const int64_t block = p.block_table[fill.seq * p.block_table_stride + fill.start / kPageBlockSize];
+    const Element* page = cache + block * p.k_block_stride + kv_head * p.k_head_stride + wg_thread % 8 * Traits::kVecElems;
+    for (int s = 0; s < num_segs; ++s) {
+      const int seg = first_seg + s;
+      CUTE_UNROLL
+      for (int i = 0; i < kCopyRowIters; ++i) {
+        const int r = wg_thread / 8 + i * kCopyRowStep;
+        const bool valid = fill.start + r < fill.end;
+        const Element* src = valid ? page + r * p.k_token_stride + seg * kSegmentCols : cache;
+        cp_async_16_zfill(copy_dst(smem.k[stage].data(), wg_thread, i, seg), src, valid);
+      }
+      cutlass::arch::cpasync_barrier_arrive_noinc(&smem.segment_full[stage][seg]);
+    }
+  }
+
+  // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
+  // Issued by one warpgroup; arrives on q_full.
+  __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
+    const int wg_thread = threadIdx.x % kWgThreads;
+    const Element* q = static_cast<const Element*>(p.q);
+    CUTE_UNROLL
+    for (int i = 0; i < kCopyRowIters; ++i) {
+      const int row = m_tile * Traits::kBlockM + wg_thread / 8 + i * kCopyRowStep;
+      const bool valid = row < p.rows_per_kv;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      const Element* src = valid ? q + seq * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride +
+                                       wg_thread % 8 * Traits::kVecElems
+                                 : q;
+      CUTE_UNROLL
+      for (int seg = 0; seg < kSegments; ++seg) {
+        cp_async_16_zfill(copy_dst(smem.q.data(), wg_thread, i, seg), src + seg * kSegmentCols, valid);
+      }
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
+  }
+
+  __device__ static void wait_segments(SharedStorage& smem, int stage, uint32_t phase, int first_seg, int num_segs) {
+    for (int s = 0; s < num_segs; ++s) Barrier::wait(&smem.segment_full[stage][first_seg + s], phase);
+  }
+
+  // ============================================ WGMMA =======================================================
+
+  // S = Q K^T over the page in buffer `stage`, K blocks in segment-refill order (RoPE first), each segment
+  // waited for just before its WGMMAs are issued. Waited for before return.
+  template <class FragQ, class FragK, class FragS>
+  __device__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, const FragQ& tSrQ,
+                                   const FragK& tSrK, FragS& tSrS) {
+    using namespace cute;
+    typename Traits::TiledMmaS mma;
+    warpgroup_fence_operand(tSrS);
+    CUTE_UNROLL
+    for (int i = 0; i < kSegments; ++i) {
+      const int seg = (i + kRope) % kSegments;
+      Barrier::wait(&smem.segment_full[stage][seg], phase);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kk = 0; kk < Traits::kKBlocksPerSegment; ++kk) {
+        const int k = seg * Traits::kKBlocksPerSegment + kk;
+        mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+      }
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+  }
+
+  // O += P V over this warpgroup's 256 columns; issued, not waited for.
+  template <class FragP, class FragV, class FragO>
+  __device__ static void issue_pv(const FragP& tOrP, const FragV& tOrV, FragO& tOrO) {
+    using namespace cute;
+    typename Traits::TiledMmaO mma;
+    warpgroup_fence_operand(tOrO);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int k = 0; k < size<2>(tOrP); ++k) gemm(mma, tOrP(_, _, k), tOrV(_, _, k), tOrO);
+    warpgroup_commit_batch();
+  }
+
+  template <class FragO>
+  __device__ static void wait_pv(FragO& tOrO) {
+    cute::warpgroup_wait<0>();
+    cute::warpgroup_fence_operand(tOrO);
+  }
+
+  // ============================================ mailbox =====================================================
+
+  // The S accumulator's value order equals the RS A operand's ((2,2,2),1,4): value i of both is the same
+  // (row, key), so P is S converted element by element.
+  template <class FragS, class FragP>
+  __device__ static void to_operand(const FragS& tSrS, FragP& tOrP) {
+    using namespace cute;
+    static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value, "one P value per S value");
+    CUTE_UNROLL
+    for (int i = 0; i < size(tSrS); ++i) tOrP(i) = static_cast<Element>(tSrS(i));
+  }
+
+  template <class FragP>
+  __device__ static void post_probs(SharedStorage& smem, const FragP& tOrP) {
+    using namespace cute;
+    const int t = threadIdx.x % kWgThreads;
+    Tensor words = recast<uint4>(tOrP);
+    static_assert(decltype(size(words))::value == Traits::kProbVectors, "P fragment is 4 x 16 bytes");
+    CUTE_UNROLL
+    for (int v = 0; v < Traits::kProbVectors; ++v) smem.probs[v][t] = words(v);
+  }
+
+  template <class FragP>
+  __device__ static void take_probs(const SharedStorage& smem, FragP& tOrP) {
+    using namespace cute;
+    const int t = threadIdx.x % kWgThreads;
+    Tensor words = recast<uint4>(tOrP);
+    CUTE_UNROLL
+    for (int v = 0; v < Traits::kProbVectors; ++v) words(v) = smem.probs[v][t];
+  }
+
+  // ============================================ one piece ===================================================
+
+  // Both warpgroups run this with their own role; the named barriers keep them one pair apart at most.
+  template <WarpgroupRole kRole>
+  __device__ static void attend_piece(const DecodeParams& p, SharedStorage& smem, const PieceRange& range,
+                                      const Piece& piece, int kv_head, int m_tile, PipelinePhases& phases) {
+    using namespace cute;
+    constexpr int kWarpgroup = static_cast<int>(kRole);
+    const int wg_thread = threadIdx.x % kWgThreads;
+
+    typename Traits::TiledMmaS mma_s;
+    typename Traits::TiledMmaO mma_o;
+    auto thr_mma_s = mma_s.get_slice(wg_thread);
+    auto thr_mma_o = mma_o.get_slice(wg_thread);
+
+    Tensor sQ = make_tensor(make_smem_ptr(smem.q.data()), typename Traits::SmemLayoutQ{});     // (BLK_M, D_QK)
+    Tensor sK = make_tensor(make_smem_ptr(smem.k[kWarpgroup].data()),
+                            typename Traits::SmemLayoutK{});                                   // (BLK_N, D_QK)
+    Tensor sVa = make_tensor(make_smem_ptr(smem.k[0].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
+    Tensor sVb = make_tensor(make_smem_ptr(smem.k[1].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
+    Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);                                          // (MMA, 1, 36)
+    Tensor tSrK = thr_mma_s.partition_fragment_B(sK);                                          // (MMA, 1, 36)
+    Tensor tOrVa = thr_mma_o.partition_fragment_B(
+        local_tile(sVa, Shape<ColsPerWg, BlockN>{}, make_coord(kWarpgroup, 0)));               // (MMA, 1, 4)
+    Tensor tOrVb = thr_mma_o.partition_fragment_B(
+        local_tile(sVb, Shape<ColsPerWg, BlockN>{}, make_coord(kWarpgroup, 0)));               // (MMA, 1, 4)
+    Tensor tOrO = partition_fragment_C(mma_o, Shape<BlockM, ColsPerWg>{});                     // (MMA, 1, 1)
+    Tensor tOrPa = make_tensor<Element>(partition_shape_A(mma_o, Shape<BlockM, BlockN>{}));   // (MMA, 1, 4)
+    Tensor tOrPb = make_tensor<Element>(partition_shape_A(mma_o, Shape<BlockM, BlockN>{}));   // (MMA, 1, 4)
+    Tensor O = as_rows_cols(tOrO);                                                             // (ROW, COL)
+    // (row in tile, key in page) of each S element, and (row, column in this half) of each O element.
+    Tensor tScS = as_rows_cols(thr_mma_s.partition_C(make_identity_tensor(Shape<BlockM, BlockN>{})));
+    Tensor tOcO = as_rows_cols(thr_mma_o.partition_C(make_identity_tensor(Shape<BlockM, ColsPerWg>{})));
+    clear(tOrO);
+
+    RowStats stats;
+    int last_visible[kRowsPerThread];     // the last key index each row may see
+    CUTE_UNROLL
+    for (int r = 0; r < kRowsPerThread; ++r) {
+      stats.max[r] = -INFINITY;
+      stats.sum[r] = 0.f;
+      const int token = (m_tile * Traits::kBlockM + get<0>(tScS(r, 0))) / p.heads_per_kv;
+      last_visible[r] = p.causal ? piece.length - p.seqlen_q + token : piece.length - 1;
+    }
+
+    const int num_pages = piece.num_pages();
+    const float scale_log2 = p.scale_log2;
+    Barrier::wait(&smem.q_full, phases.q);
+
+    for (int page = 0; page < num_pages; page += 2) {
+      const bool has_b = page + 1 < num_pages;
+      const int key0 = piece.begin + page * kBlockN;    // first key of page a
+
+      if constexpr (kRole == WarpgroupRole::kPageA) {
+        // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
+        Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
+        compute_s(smem, 0, phases.page[0], tSrQ, tSrK, tSrS);
+        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, kRope, 1);
+        Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
+        float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
+        mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
+        CUTE_UNROLL
+        for (int r = 0; r < kRowsPerThread; ++r) {
+          m_a[r] = fmaxf(stats.max[r], m_a[r]);
+          scale[r] = rescale_factor(stats.max[r], m_a[r], scale_log2);
+        }
+        exponentiate(S, m_a, scale_log2, rowsum_a);
+        to_operand(tSrS, tOrPa);
+        post_probs(smem, tOrPa);
+        smem.stats[wg_thread] = make_float4(m_a[0], m_a[1], rowsum_a[0], rowsum_a[1]);
+        barrier_arrive(SplitKvBarrier::kPageAProbsReady);
+
+        // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
+        scale_rows(O, scale);
+        issue_pv(tOrPa, tOrVa, tOrO);
+
+        // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
+        barrier_sync(SplitKvBarrier::kPageBProbsReady);
+        const float4 from_b = smem.stats[wg_thread];
+        if (has_b) take_probs(smem, tOrPb);
+        wait_pv(tOrO);
+        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, 0, kVHalf);
+        const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
+        if (has_b) {
+          CUTE_UNROLL
+          for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
+          scale_rows(O, scale);
+          wait_segments(smem, 1, phases.page[1], 0, kVHalf);
+          issue_pv(tOrPb, tOrVb, tOrO);
+          wait_pv(tOrO);
+          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, 0, kVHalf);
+        }
+        stats.max[0] = m_b[0];
+        stats.max[1] = m_b[1];
+        stats.sum[0] = from_b.z;
+        stats.sum[1] = from_b.w;
+      } else {
+        // ---- S_b = Q K_b^T (overlaps kPageA's softmax and P_a V_a) ---------------------------------------
+        Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
+        Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
+        float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
+        if (has_b) {
+          compute_s(smem, 1, phases.page[1], tSrQ, tSrK, tSrS);
+          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, kRope, 1);
+          mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
+        }
+
+        // ---- take P_a, m_a, rowsum_a; softmax of b; post P_b, m_b, l ---------------------------------------
+        barrier_sync(SplitKvBarrier::kPageAProbsReady);
+        const float4 from_a = smem.stats[wg_thread];
+        take_probs(smem, tOrPa);
+        if (page + 2 >= num_pages) {
+          // Both S of the piece's last pair are done: Q can take the next piece's tile.
+          const int next_seq = range.next_seq_using(piece.seq + 1, 0);
+          if (next_seq >= 0) load_q(p, smem, next_seq, kv_head, m_tile);
+        }
+        const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
+        const float rowsum_a[kRowsPerThread] = {from_a.z, from_a.w};
+        float rowsum_b[kRowsPerThread] = {0.f, 0.f};
+        CUTE_UNROLL
+        for (int r = 0; r < kRowsPerThread; ++r) m_b[r] = fmaxf(m_a[r], m_b[r]);
+        if (has_b) {
+          exponentiate(S, m_b, scale_log2, rowsum_b);
+          to_operand(tSrS, tOrPb);
+          post_probs(smem, tOrPb);
+        }
+        float scale_a[kRowsPerThread], scale_b[kRowsPerThread];
+        CUTE_UNROLL
+        for (int r = 0; r < kRowsPerThread; ++r) {
+          scale_a[r] = rescale_factor(stats.max[r], m_a[r], scale_log2);    // m -> m_a
+          scale_b[r] = rescale_factor(m_a[r], m_b[r], scale_log2);          // m_a -> m_b
+          stats.sum[r] = (stats.sum[r] * scale_a[r] + rowsum_a[r]) * scale_b[r] + rowsum_b[r];
+          stats.max[r] = m_b[r];
+        }
+        smem.stats[wg_thread] = make_float4(m_b[0], m_b[1], stats.sum[0], stats.sum[1]);
+        barrier_arrive(SplitKvBarrier::kPageBProbsReady);
+
+        // ---- O_R = (O_R e^(m - m_a) + P_a V_a) e^(m_a - m_b) + P_b V_b --------------------------------------
+        scale_rows(O, scale_a);
+        wait_segments(smem, 0, phases.page[0], kVHalf, kVHalf);
+        issue_pv(tOrPa, tOrVa, tOrO);
+        wait_pv(tOrO);
+        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, kVHalf, kVHalf);
+        if (has_b) {
+          scale_rows(O, scale_b);
+          issue_pv(tOrPb, tOrVb, tOrO);
+          wait_pv(tOrO);
+          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, kVHalf, kVHalf);
+        }
+      }
+      phases.page[0] ^= 1;
+      if (has_b) phases.page[1] ^= 1;
+    }
+    phases.q ^= 1;
+
+    Epilogue::write(p, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
+  }
+
+  // ============================================ CTA ==========================================================
+
+  // Every page buffer segment and the first Q tile, each issued by the warpgroup that will refill it later.
+  template <WarpgroupRole kRole>
+  __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
+                                  int m_tile) {
+    constexpr int kWarpgroup = static_cast<int>(kRole);
+    if (kRole == WarpgroupRole::kPageB) {
+      const int first_seq = range.next_seq_using(range.first_seq(), 0);
+      if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
+    }
+    CUTE_UNROLL
+    for (int stage = 0; stage < 2; ++stage) {
+      const PageFill fill = range.first_fill(stage);
+      if (Traits::segment_owner(stage, kRope) == kWarpgroup) refill(p, smem, stage, fill, kv_head, kRope, 1);
+      refill(p, smem, stage, fill, kv_head, kWarpgroup * kVHalf, kVHalf);
+    }
+  }
+
+  template <WarpgroupRole kRole>
+  __device__ static void run(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
+                             int m_tile) {
+    prologue<kRole>(p, smem, range, kv_head, m_tile);
+    PipelinePhases phases;
+    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+      const Piece piece = range.piece(seq);
+      if (piece.num_pages() == 0) {    // L = 0: nothing to read, not even Q or the block table
+        Epilogue::write_empty(p, piece, kv_head, m_tile, static_cast<int>(kRole));
+        continue;
+      }
+      attend_piece<kRole>(p, smem, range, piece, kv_head, m_tile, phases);
+    }
+  }
+};
+
+}  // namespace flash_mla

@@ -1,0 +1,90 @@
+// Tile scheduler of the split-KV kernel: which sequence pieces a CTA owns, and which page fills which buffer.
+//
+// CTA (row tile, KV head, SM part) walks the pieces of its SM part's metadata row (SPEC.md "Scheduler"), one
+// sequence at a time. A piece's pages go to the two page buffers alternately, page k to buffer k % 2; pages
+// are consumed in pairs (a, b) = (2j, 2j + 1) within a piece. Looking ahead across pieces is what lets a
+// warpgroup refill a buffer with the next piece's first pages while the current piece is still being computed.
+#pragma once
+
+#include "params.h"
+
+namespace flash_mla {
+
+// One unit of a CTA's work: keys [begin, end) of sequence `seq` and where its result goes.
+struct Piece {
+  int seq;
+  int begin, end;     // token range; begin is a multiple of 64
+  int length;         // the sequence's full length (the causal rule counts from its end)
+  bool split;         // true: fp32 partial to workspace slot `slot`; false: final result to out/lse
+  int slot;
+
+  __device__ int num_pages() const { return end > begin ? (end - begin + kPageBlockSize - 1) / kPageBlockSize : 0; }
+};
+
+// A page to copy: tokens [start, start + 64) of `seq`; tokens at or past `end` are zero-filled, never read.
+struct PageFill {
+  int seq;            // -1: no page left for this buffer
+  int start, end;
+  __device__ bool valid() const { return seq >= 0; }
+};
+
+class PieceRange {
+ public:
+  // The pieces of SM part `part`. begin_seq == batch marks a part with no work; the clamps only guard
+  // against foreign metadata.
+  __device__ PieceRange(const DecodeParams& p, int part) : p_(p), meta_(p.metadata + part * kMetadataWidth) {
+    begin_seq_ = meta_[kBeginSeq];
+    end_seq_ = meta_[kEndSeq];
+    last_seq_ = (begin_seq_ < 0 || begin_seq_ >= p.batch) ? begin_seq_ - 1 : min(end_seq_, p.batch - 1);
+  }
+
+  __device__ int first_seq() const { return begin_seq_; }
+  __device__ int last_seq() const { return last_seq_; }
+
+  __device__ Piece piece(int seq) const {
+    Piece piece;
+    piece.seq = seq;
+    piece.length = p_.seqlens[seq];
+    // The part's first and last pieces' bounds are re-read from the metadata row (L1-resident) rather than
+    // kept in registers, which the mainloop needs more.
+    piece.begin = seq == begin_seq_ ? meta_[kBeginToken] : 0;
+    piece.end = seq == end_seq_ ? min(meta_[kEndToken], piece.length) : piece.length;
+    const int first_slot = p_.num_splits[seq];
+    piece.split = p_.num_splits[seq + 1] - first_slot > 1;
+    piece.slot = first_slot + (seq == begin_seq_ ? meta_[kBeginSplit] : 0);
+    return piece;
+  }
+
+  // The first sequence at or after `seq` whose piece has a page that goes to buffer `stage` (more than
+  // `stage` pages), or -1.
+  __device__ int next_seq_using(int seq, int stage) const {
+    for (; seq <= last_seq_; ++seq) {
+      if (piece(seq).num_pages() > stage) return seq;
+    }
+    return -1;
+  }
+
+  // The first page buffer `stage` receives.
+  __device__ PageFill first_fill(int stage) const { return fill_of(next_seq_using(begin_seq_, stage), stage); }
+
+  // The page buffer `stage` receives after page `page` of `current` (which it holds now).
+  __device__ PageFill next_fill(const Piece& current, int page, int stage) const {
+    if (page + 2 < current.num_pages()) {
+      return PageFill{current.seq, current.begin + (page + 2) * kPageBlockSize, current.end};
+    }
+    return fill_of(next_seq_using(current.seq + 1, stage), stage);
+  }
+
+ private:
+  __device__ PageFill fill_of(int seq, int page) const {
+    if (seq < 0) return PageFill{-1, 0, 0};
+    const Piece next = piece(seq);
+    return PageFill{seq, next.begin + page * kPageBlockSize, next.end};
+  }
+
+  const DecodeParams& p_;
+  const int32_t* meta_;         // this part's metadata row
+  int begin_seq_, end_seq_, last_seq_;
+};
+
+}  // namespace flash_mla
