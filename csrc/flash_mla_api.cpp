@@ -112,6 +112,7 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
   p.k_cache = k_cache.data_ptr();
   p.k_block_stride = k_cache.stride(0); p.k_token_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
+  p.num_kv_blocks = k_cache.size(0);
   p.block_table = block_table.data_ptr<int32_t>(); p.block_table_stride = block_table.stride(0);
   p.seqlens = seqlens_c.data_ptr<int32_t>();
   p.metadata = metadata.data_ptr<int32_t>();

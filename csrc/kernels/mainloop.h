@@ -20,15 +20,18 @@
 // between S_a and its wait for P_b. (e^x here means exp2 of x times the softmax scale.) A piece with an odd
 // number of pages ends with a pair without b: kPageB then only applies P_a and posts m_b = m_a.
 //
-// Copies: cp.async, 16 bytes per thread, zero-filled past the piece's end (slots past a sequence's length
-// may hold NaN, and P = 0 times NaN would still be NaN in P V). Page k of a piece lives in buffer k % 2;
-// each 64-column segment of a buffer has its own mbarrier, and the warpgroup whose work reads a segment last
-// refills it with the next page for that buffer (possibly the next piece's) as soon as it is done with it
-// (SplitKvTraits::segment_owner): the RoPE segment right after S, each V half after its last P V. S takes
-// its K blocks in the order the segments are refilled (RoPE first), so it starts before the page has landed.
+// Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
+// tracked by its own transaction mbarrier. Page k of a piece lives in buffer k % 2; the warpgroup whose work
+// reads a segment last refills it with the next page for that buffer (possibly the next piece's) as soon as it
+// is done with it (SplitKvTraits::segment_owner): the RoPE segment right after S, each V half after its last
+// P V. S takes its K blocks in the order the segments are refilled (RoPE first), so it starts before the page
+// has landed. Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and
+// each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 #pragma once
 
+#include <cute/arch/copy_sm90_desc.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -63,10 +66,14 @@ struct SplitKvMainloop {
   static constexpr int kRope = Traits::kRopeSegment;
   static constexpr int kVHalf = Traits::kSegmentsPerVHalf;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+  static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
+  static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
+  static constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
 
   // ===================================== copies (global -> shared) ===========================================
 
-  // A warpgroup copies a 64 x 64 segment in 16-byte chunks: thread t owns chunk t % 8 of rows t / 8 + 16 i.
+  // The Q tile goes by cp.async (rows past rows_per_kv are zero-filled): a warpgroup copies a 64 x 64 segment
+  // in 16-byte chunks: thread t owns chunk t % 8 of rows t / 8 + 16 i.
   // Moving by 16 rows (two 8-row swizzle atoms) or by one segment adds a constant that leaves the swizzle
   // bits alone, so only the first address goes through the swizzled layout.
   static constexpr int kCopyRowStep = kWgThreads / 8;                 // 16 rows
@@ -83,26 +90,38 @@ struct SplitKvMainloop {
     return &sX(r, c) + row_iter * kCopyRowStep * kSegmentCols + seg * kBlockN * kSegmentCols;
   }
 
-  // Segments [first_seg, first_seg + num_segs) of page `fill` into buffer `stage`, each arriving on its barrier
-  // when this warpgroup's copies of it have landed. Nothing to do when no page is left for the buffer.
-  __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, const PageFill& fill,
-                                int kv_head, int first_seg, int num_segs) {
-    if (!fill.valid()) return;
-    const int wg_thread = threadIdx.x % kWgThreads;
-    const Element* cache = static_cast<const Element*>(p.k_cache);
-    const int64_t block = p.block_table[fill.seq * p.block_table_stride + fill.start / kPageBlockSize];
-    const Element* page = cache + block * p.k_block_stride + kv_head * p.k_head_stride + wg_thread % 8 * Traits::kVecElems;
+  // Segments [first_seg, first_seg + num_segs) of the page in cache block `block` into buffer `stage`: one
+  // thread of the warpgroup arms each segment's barrier with the segment's bytes and issues its TMA copy
+  // (evict-first: the cache is streamed once). Nothing to do when no page is left for the buffer.
+  __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
+                                int first_seg, int num_segs) {
+    if (block == kNoBlock || threadIdx.x % kWgThreads != 0) return;
     for (int s = 0; s < num_segs; ++s) {
       const int seg = first_seg + s;
-      CUTE_UNROLL
-      for (int i = 0; i < kCopyRowIters; ++i) {
-        const int r = wg_thread / 8 + i * kCopyRowStep;
-        const bool valid = fill.start + r < fill.end;
-        const Element* src = valid ? page + r * p.k_token_stride + seg * kSegmentCols : cache;
-        cp_async_16_zfill(copy_dst(smem.k[stage].data(), wg_thread, i, seg), src, valid);
-      }
-      cutlass::arch::cpasync_barrier_arrive_noinc(&smem.segment_full[stage][seg]);
+      uint64_t* full = &smem.segment_full[stage][seg];
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kSegmentBytes);
+      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, kEvictFirst, smem.k[stage].data() + seg * kSegmentElems,
+                                   seg * kSegmentCols, 0, kv_head, static_cast<int32_t>(block));
     }
+  }
+
+  // V rows at or past the piece's end, in this warpgroup's four V segments of buffer `stage`, become zero.
+  // TMA copies whole pages, so the slots past a sequence's end arrive as they are in the cache (possibly
+  // NaN); S masks those keys, but P = 0 times NaN would still be NaN in O += P V. Only a piece's last page
+  // can be partial; the segments must have landed and no WGMMA of the other warpgroup may still read them.
+  __device__ static void zero_tail_rows(SharedStorage& smem, int stage, int warpgroup, int valid_rows) {
+    if (valid_rows >= kBlockN) return;
+    constexpr int kChunksPerRow = kSegmentCols * int(sizeof(Element)) / 16;    // a row is 128 bytes
+    const int tail_chunks = (kBlockN - valid_rows) * kChunksPerRow;           // per segment
+    uint4* buffer = reinterpret_cast<uint4*>(smem.k[stage].data());
+    for (int i = threadIdx.x % kWgThreads; i < kVHalf * tail_chunks; i += kWgThreads) {
+      const int seg = warpgroup * kVHalf + i / tail_chunks;
+      // The swizzle permutes 16-byte chunks within a 128-byte row, so rows >= valid_rows are one byte range.
+      buffer[seg * (kSegmentElems * int(sizeof(Element)) / 16) + valid_rows * kChunksPerRow + i % tail_chunks] =
+          make_uint4(0, 0, 0, 0);
+    }
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+    warpgroup_sync(WarpgroupBarrier::kTailRowsZeroed, warpgroup);
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
@@ -258,12 +277,16 @@ struct SplitKvMainloop {
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
+      // What the two buffers receive once this pair is done with them, looked up now so that the block-table
+      // reads are not on the refills' path.
+      const PageBlock next_a = range.next_block(piece, page, 0);
+      const PageBlock next_b = range.next_block(piece, page + 1, 1);
 
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         compute_s(smem, 0, phases.page[0], tSrQ, tSrK, tSrS);
-        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, kRope, 1);
+        refill(p, smem, 0, next_a, kv_head, kRope, 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
@@ -280,6 +303,7 @@ struct SplitKvMainloop {
 
         // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
         scale_rows(O, scale);
+        zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
@@ -287,16 +311,17 @@ struct SplitKvMainloop {
         const float4 from_b = smem.stats[wg_thread];
         if (has_b) take_probs(smem, tOrPb);
         wait_pv(tOrO);
-        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, 0, kVHalf);
+        refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
         const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
         if (has_b) {
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
           scale_rows(O, scale);
           wait_segments(smem, 1, phases.page[1], 0, kVHalf);
+          zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           wait_pv(tOrO);
-          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, 0, kVHalf);
+          refill(p, smem, 1, next_b, kv_head, 0, kVHalf);
         }
         stats.max[0] = m_b[0];
         stats.max[1] = m_b[1];
@@ -309,7 +334,7 @@ struct SplitKvMainloop {
         float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], tSrQ, tSrK, tSrS);
-          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, kRope, 1);
+          refill(p, smem, 1, next_b, kv_head, kRope, 1);
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
         }
 
@@ -346,14 +371,16 @@ struct SplitKvMainloop {
         // ---- O_R = (O_R e^(m - m_a) + P_a V_a) e^(m_a - m_b) + P_b V_b --------------------------------------
         scale_rows(O, scale_a);
         wait_segments(smem, 0, phases.page[0], kVHalf, kVHalf);
+        zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
         wait_pv(tOrO);
-        refill(p, smem, 0, range.next_fill(piece, page, 0), kv_head, kVHalf, kVHalf);
+        refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
         if (has_b) {
           scale_rows(O, scale_b);
+          zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           wait_pv(tOrO);
-          refill(p, smem, 1, range.next_fill(piece, page + 1, 1), kv_head, kVHalf, kVHalf);
+          refill(p, smem, 1, next_b, kv_head, kVHalf, kVHalf);
         }
       }
       phases.page[0] ^= 1;
@@ -377,9 +404,9 @@ struct SplitKvMainloop {
     }
     CUTE_UNROLL
     for (int stage = 0; stage < 2; ++stage) {
-      const PageFill fill = range.first_fill(stage);
-      if (Traits::segment_owner(stage, kRope) == kWarpgroup) refill(p, smem, stage, fill, kv_head, kRope, 1);
-      refill(p, smem, stage, fill, kv_head, kWarpgroup * kVHalf, kVHalf);
+      const PageBlock block = range.first_block(stage);
+      if (Traits::segment_owner(stage, kRope) == kWarpgroup) refill(p, smem, stage, block, kv_head, kRope, 1);
+      refill(p, smem, stage, block, kv_head, kWarpgroup * kVHalf, kVHalf);
     }
   }
 

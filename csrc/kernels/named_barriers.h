@@ -14,11 +14,22 @@ enum class SplitKvBarrier : uint32_t {
 
 constexpr uint32_t kBarrierThreads = 256;
 
+// Barriers inside one warpgroup (128 threads); ids are this value + the warpgroup's index.
+enum class WarpgroupBarrier : uint32_t {
+  kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (ids 2, 3)
+};
+
+constexpr uint32_t kWarpgroupBarrierThreads = 128;
+
 __device__ __forceinline__ void barrier_arrive(SplitKvBarrier barrier) {
   cutlass::arch::NamedBarrier::arrive(kBarrierThreads, static_cast<uint32_t>(barrier));
 }
 __device__ __forceinline__ void barrier_sync(SplitKvBarrier barrier) {
   cutlass::arch::NamedBarrier::sync(kBarrierThreads, static_cast<uint32_t>(barrier));
+}
+
+__device__ __forceinline__ void warpgroup_sync(WarpgroupBarrier barrier, int warpgroup) {
+  cutlass::arch::NamedBarrier::sync(kWarpgroupBarrierThreads, static_cast<uint32_t>(barrier) + warpgroup);
 }
 
 }  // namespace flash_mla

@@ -41,6 +41,7 @@ struct DecodeParams {
   int64_t q_batch_stride, q_token_stride, q_head_stride;
   const void* k_cache;           // (num_blocks, 64, num_heads_k, 576)
   int64_t k_block_stride, k_token_stride, k_head_stride;
+  int64_t num_kv_blocks;         // k_cache.size(0)
   const int32_t* block_table;    // (batch, max_blocks_per_seq)
   int64_t block_table_stride;
   const int32_t* seqlens;        // (batch,)
@@ -59,6 +60,11 @@ struct DecodeParams {
   // Workspace for split sequences, one slot per piece (slot = num_splits[seq] + split_idx).
   float* o_partial;              // (num_slots, num_heads_k, rows_per_kv, 512)
   float* lse_partial;            // (num_slots, num_heads_k, rows_per_kv)
+
+  // TMA descriptor (a CUtensorMap) of k_cache as (576, 64 tokens, num_heads_k, num_blocks), 64 x 64 boxes with
+  // the 128-byte swizzle. Opaque bytes here (this header stays free of CUDA headers); the split kernel's
+  // launcher fills it in, the binding leaves it alone.
+  alignas(64) unsigned char k_cache_tma[128];
 };
 
 // Launchers, one translation unit each (csrc/kernels/*.cu). All run on `stream` and never synchronise.

@@ -69,10 +69,14 @@ __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[
   }
 }
 
-// O row r *= factor[r].
+// O row r *= factor[r]. Skipped when every factor of the warp is exactly 1 (no row maximum moved, the common
+// case once a row has seen a few pages): x * 1 == x, so the result is bitwise the same, and the warp saves
+// 128 multiplies per call.
 template <class TensorO>
 __device__ __forceinline__ void scale_rows(TensorO& O, const float (&factor)[kRowsPerThread]) {
   using namespace cute;
+  static_assert(kRowsPerThread == 2, "one vote over both rows");
+  if (!__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) return;
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
     CUTE_UNROLL

@@ -14,6 +14,7 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/grid_dependency_control.h>
 
+#include "kv_cache_tma.h"
 #include "mainloop.h"
 #include "params.h"
 #include "splitkv_traits.h"
@@ -39,10 +40,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < Traits::kStages; ++stage) {
       for (int seg = 0; seg < Traits::kSegments; ++seg) {
-        cutlass::arch::ClusterBarrier::init(&smem.segment_full[stage][seg], Traits::kWarpgroupThreads);
+        cutlass::arch::ClusterBarrier::init(&smem.segment_full[stage][seg], 1);    // TMA: one arrive + bytes
       }
     }
-    cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);
+    cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
     cutlass::arch::fence_barrier_init();
   }
   __syncthreads();
@@ -55,8 +56,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
 }
 
 template <class Element>
-void launch_splitkv(const DecodeParams& params, cudaStream_t stream) {
+void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   using Traits = SplitKvTraits<Element>;
+  DecodeParams params = binding_params;
+  encode_kv_cache_tma(params, std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                       : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   const dim3 grid(params.num_row_tiles, params.num_heads_k, params.num_sm_parts);

@@ -84,7 +84,8 @@ struct SplitKvTraits {
     // only ever reads and then writes its own slots, so one mailbox serves both directions.
     alignas(16) uint4 probs[kProbVectors][kWarpgroupThreads];
     alignas(16) float4 stats[kWarpgroupThreads];     // (max row 0, max row 1, sum row 0, sum row 1)
-    // Completion of each 64-column segment of each page buffer, and of the Q tile (cp.async arrivals).
+    // Completion of each 64-column segment of each page buffer (TMA transaction bytes) and of the Q tile
+    // (cp.async arrivals of the 128 threads that copy it).
     alignas(8) uint64_t segment_full[kStages][kSegments];
     alignas(8) uint64_t q_full;
   };

@@ -21,12 +21,10 @@ struct Piece {
   __device__ int num_pages() const { return end > begin ? (end - begin + kPageBlockSize - 1) / kPageBlockSize : 0; }
 };
 
-// A page to copy: tokens [start, start + 64) of `seq`; tokens at or past `end` are zero-filled, never read.
-struct PageFill {
-  int seq;            // -1: no page left for this buffer
-  int start, end;
-  __device__ bool valid() const { return seq >= 0; }
-};
+// Physical cache block of the page a buffer receives next, or kNoBlock: no page left for that buffer. 64-bit so
+// that no int32 block-table entry (even a bad one, which the TMA copy turns into zeros) can mean "none".
+using PageBlock = int64_t;
+constexpr PageBlock kNoBlock = INT64_MIN;
 
 class PieceRange {
  public:
@@ -64,22 +62,24 @@ class PieceRange {
     return -1;
   }
 
-  // The first page buffer `stage` receives.
-  __device__ PageFill first_fill(int stage) const { return fill_of(next_seq_using(begin_seq_, stage), stage); }
+  // Physical block of the first page buffer `stage` receives (or kNoBlock).
+  __device__ PageBlock first_block(int stage) const { return block_of(next_seq_using(begin_seq_, stage), stage); }
 
-  // The page buffer `stage` receives after page `page` of `current` (which it holds now).
-  __device__ PageFill next_fill(const Piece& current, int page, int stage) const {
-    if (page + 2 < current.num_pages()) {
-      return PageFill{current.seq, current.begin + (page + 2) * kPageBlockSize, current.end};
-    }
-    return fill_of(next_seq_using(current.seq + 1, stage), stage);
+  // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now).
+  __device__ PageBlock next_block(const Piece& current, int page, int stage) const {
+    if (page + 2 < current.num_pages()) return page_block(current.seq, current.begin / kPageBlockSize + page + 2);
+    return block_of(next_seq_using(current.seq + 1, stage), stage);
   }
 
  private:
-  __device__ PageFill fill_of(int seq, int page) const {
-    if (seq < 0) return PageFill{-1, 0, 0};
-    const Piece next = piece(seq);
-    return PageFill{seq, next.begin + page * kPageBlockSize, next.end};
+  __device__ PageBlock page_block(int seq, int page_in_seq) const {
+    return p_.block_table[seq * p_.block_table_stride + page_in_seq];
+  }
+
+  // Page `page` of seq's piece.
+  __device__ PageBlock block_of(int seq, int page) const {
+    if (seq < 0) return kNoBlock;
+    return page_block(seq, piece(seq).begin / kPageBlockSize + page);
   }
 
   const DecodeParams& p_;
