@@ -11,13 +11,14 @@
 //   O_L = O_L * e^(m - m_a)                            m_b = max(m_a, rowmax S_b), P_b = exp2(S_b - m_b)
 //   O_L += P_a V_a[:, 0:256]            (WGMMA RS)     l = l e^(m - m_b) + rowsum P_a e^(m_a - m_b) + rowsum P_b
 //   take P_b, m_b, l <-------------- kPageBProbsReady -- post P_b, m_b, l
-//   O_L = O_L * e^(m_a - m_b)                          O_R = O_R * e^(m - m_a)
+//   O_L = O_L * e^(m_a - m_b)                          O_R = O_R * e^(m - m_b),  P_a = P_a * e^(m_a - m_b)
 //   O_L += P_b V_b[:, 0:256]            (WGMMA RS)     O_R += P_a V_a[:, 256:512]          (WGMMA RS)
-//                                                      O_R = O_R * e^(m_a - m_b)
 //                                                      O_R += P_b V_b[:, 256:512]          (WGMMA RS)
 //
 // so one warpgroup's softmax runs while the other's WGMMAs do, and S_b overlaps everything kPageA does
-// between S_a and its wait for P_b. (e^x here means exp2 of x times the softmax scale.) A piece with an odd
+// between S_a and its wait for P_b. Rescales are skipped by warps whose row maxima did not move (the common
+// case), and then nothing waits between a warpgroup's WGMMAs: kPageA queues P_b V_b behind P_a V_a, and kPageB,
+// which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V back to back. (e^x here means exp2 of x times the softmax scale.) A piece with an odd
 // number of pages ends with a pair without b: kPageB then only applies P_a and posts m_b = m_a.
 //
 // Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
@@ -95,13 +96,13 @@ struct SplitKvMainloop {
   // (evict-first: the cache is streamed once). Nothing to do when no page is left for the buffer.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
                                 int first_seg, int num_segs) {
-    if (block == kNoBlock || threadIdx.x % kWgThreads != 0) return;
+    if (!block.valid || threadIdx.x % kWgThreads != 0) return;
     for (int s = 0; s < num_segs; ++s) {
       const int seg = first_seg + s;
       uint64_t* full = &smem.segment_full[stage][seg];
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kSegmentBytes);
       cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, kEvictFirst, smem.k[stage].data() + seg * kSegmentElems,
-                                   seg * kSegmentCols, 0, kv_head, static_cast<int32_t>(block));
+                                   seg * kSegmentCols, 0, kv_head, block.block);
     }
   }
 
@@ -309,19 +310,27 @@ struct SplitKvMainloop {
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         barrier_sync(SplitKvBarrier::kPageBProbsReady);
         const float4 from_b = smem.stats[wg_thread];
-        if (has_b) take_probs(smem, tOrPb);
-        wait_pv(tOrO);
-        refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
         const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
         if (has_b) {
+          take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
-          scale_rows(O, scale);
+          // Only a warp whose rows' maximum moved has to wait for P_a V_a before rescaling O_L; the others
+          // queue P_b V_b behind it right away.
+          if (warp_needs_rescale(scale)) {
+            wait_pv(tOrO);
+            scale_rows(O, scale);
+          }
           wait_segments(smem, 1, phases.page[1], 0, kVHalf);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
+          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
           wait_pv(tOrO);
           refill(p, smem, 1, next_b, kv_head, 0, kVHalf);
+        } else {
+          wait_pv(tOrO);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
         }
         stats.max[0] = m_b[0];
         stats.max[1] = m_b[1];
@@ -342,11 +351,6 @@ struct SplitKvMainloop {
         barrier_sync(SplitKvBarrier::kPageAProbsReady);
         const float4 from_a = smem.stats[wg_thread];
         take_probs(smem, tOrPa);
-        if (page + 2 >= num_pages) {
-          // Both S of the piece's last pair are done: Q can take the next piece's tile.
-          const int next_seq = range.next_seq_using(piece.seq + 1, 0);
-          if (next_seq >= 0) load_q(p, smem, next_seq, kv_head, m_tile);
-        }
         const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
         const float rowsum_a[kRowsPerThread] = {from_a.z, from_a.w};
         float rowsum_b[kRowsPerThread] = {0.f, 0.f};
@@ -357,30 +361,41 @@ struct SplitKvMainloop {
           to_operand(tSrS, tOrPb);
           post_probs(smem, tOrPb);
         }
-        float scale_a[kRowsPerThread], scale_b[kRowsPerThread];
+        float scale_ab[kRowsPerThread], scale_b[kRowsPerThread];
         CUTE_UNROLL
         for (int r = 0; r < kRowsPerThread; ++r) {
-          scale_a[r] = rescale_factor(stats.max[r], m_a[r], scale_log2);    // m -> m_a
-          scale_b[r] = rescale_factor(m_a[r], m_b[r], scale_log2);          // m_a -> m_b
-          stats.sum[r] = (stats.sum[r] * scale_a[r] + rowsum_a[r]) * scale_b[r] + rowsum_b[r];
+          const float scale_a = rescale_factor(stats.max[r], m_a[r], scale_log2);    // m -> m_a
+          scale_b[r] = rescale_factor(m_a[r], m_b[r], scale_log2);                   // m_a -> m_b
+          scale_ab[r] = rescale_factor(stats.max[r], m_b[r], scale_log2);            // m -> m_b
+          stats.sum[r] = (stats.sum[r] * scale_a + rowsum_a[r]) * scale_b[r] + rowsum_b[r];
           stats.max[r] = m_b[r];
         }
         smem.stats[wg_thread] = make_float4(m_b[0], m_b[1], stats.sum[0], stats.sum[1]);
         barrier_arrive(SplitKvBarrier::kPageBProbsReady);
+        if (page + 2 >= num_pages) {
+          // Both S of the piece's last pair are done (S_a before kPageAProbsReady): Q can take the next piece's
+          // tile. Issued after P_b is posted, off kPageA's path.
+          const int next_seq = range.next_seq_using(piece.seq + 1, 0);
+          if (next_seq >= 0) load_q(p, smem, next_seq, kv_head, m_tile);
+        }
 
-        // ---- O_R = (O_R e^(m - m_a) + P_a V_a) e^(m_a - m_b) + P_b V_b --------------------------------------
-        scale_rows(O, scale_a);
+        // ---- O_R = O_R e^(m - m_b) + (P_a e^(m_a - m_b)) V_a + P_b V_b: both WGMMAs back to back ------------
+        scale_rows(O, scale_ab);
+        Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
+        scale_probs(Pa, scale_b);
         wait_segments(smem, 0, phases.page[0], kVHalf, kVHalf);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
-        wait_pv(tOrO);
-        refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
         if (has_b) {
-          scale_rows(O, scale_b);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
+          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
+          refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
           wait_pv(tOrO);
           refill(p, smem, 1, next_b, kv_head, kVHalf, kVHalf);
+        } else {
+          wait_pv(tOrO);
+          refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
         }
       }
       phases.page[0] ^= 1;

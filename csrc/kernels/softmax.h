@@ -29,7 +29,9 @@ __device__ __forceinline__ float rescale_factor(float old_max, float new_max, fl
 }
 
 // Masks keys past the piece (key >= end) and, when causal, past each row's last visible key; returns each
-// row's maximum over this page (quad-reduced: all four threads of a row agree).
+// row's maximum over this page (quad-reduced: all four threads of a row agree). Only a piece's last page (and,
+// causal, the pages holding the last s_q keys) has keys to mask: every other page skips the per-element
+// compares, which are most of the softmax's instructions.
 //   S:          (ROW, COL) view of the accumulator
 //   tScS:       (ROW, COL) -> (row in tile, key in page) coordinates of the same elements
 template <class TensorS, class TensorC>
@@ -37,15 +39,23 @@ __device__ __forceinline__ void mask_and_row_max(TensorS& S, const TensorC& tScS
                                                  const int (&last_visible)[kRowsPerThread],
                                                  float (&page_max)[kRowsPerThread]) {
   using namespace cute;
+  constexpr int kPageKeys = decltype(size<1>(S))::value * 4;    // a quad's threads cover the page's keys
+  const int page_last = page_start + kPageKeys - 1;
+  const bool all_visible = page_last < end && page_last <= min(last_visible[0], last_visible[1]);
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
     float m = -INFINITY;
-    CUTE_UNROLL
-    for (int c = 0; c < size<1>(S); ++c) {
-      const int key = page_start + get<1>(tScS(r, c));
-      const bool visible = key < end && key <= last_visible[r];
-      S(r, c) = visible ? S(r, c) : -INFINITY;
-      m = fmaxf(m, S(r, c));
+    if (all_visible) {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) m = fmaxf(m, S(r, c));
+    } else {
+      CUTE_UNROLL
+      for (int c = 0; c < size<1>(S); ++c) {
+        const int key = page_start + get<1>(tScS(r, c));
+        const bool visible = key < end && key <= last_visible[r];
+        S(r, c) = visible ? S(r, c) : -INFINITY;
+        m = fmaxf(m, S(r, c));
+      }
     }
     page_max[r] = quad_max(m);
   }
@@ -69,18 +79,36 @@ __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[
   }
 }
 
-// O row r *= factor[r]. Skipped when every factor of the warp is exactly 1 (no row maximum moved, the common
-// case once a row has seen a few pages): x * 1 == x, so the result is bitwise the same, and the warp saves
-// 128 multiplies per call.
+// True when some row of the warp has factor != 1 (a row maximum moved, or a NaN): only then does a
+// rescale change anything (x * 1 == x bitwise), and once rows have seen a few pages it rarely does.
+__device__ __forceinline__ bool warp_needs_rescale(const float (&factor)[kRowsPerThread]) {
+  static_assert(kRowsPerThread == 2, "one vote over both rows");
+  return __any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f);
+}
+
+// O row r *= factor[r], skipped by a warp whose factors are all 1 (saves 128 multiplies a call).
 template <class TensorO>
 __device__ __forceinline__ void scale_rows(TensorO& O, const float (&factor)[kRowsPerThread]) {
   using namespace cute;
-  static_assert(kRowsPerThread == 2, "one vote over both rows");
-  if (!__any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f)) return;
+  if (!warp_needs_rescale(factor)) return;
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
     CUTE_UNROLL
     for (int c = 0; c < size<1>(O); ++c) O(r, c) *= factor[r];
+  }
+}
+
+// The other warpgroup's probabilities P (16-bit, (ROW, COL) view) row r *= factor[r]: the seesaw's cross-
+// warpgroup rescale, which moves P_a from m_a to m_b so that one O rescale serves both pages of a pair.
+template <class TensorP>
+__device__ __forceinline__ void scale_probs(TensorP& P, const float (&factor)[kRowsPerThread]) {
+  using namespace cute;
+  using Element = typename std::remove_reference_t<TensorP>::value_type;
+  if (!warp_needs_rescale(factor)) return;
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(P); ++c) P(r, c) = static_cast<Element>(static_cast<float>(P(r, c)) * factor[r]);
   }
 }
 

@@ -21,10 +21,14 @@ struct Piece {
   __device__ int num_pages() const { return end > begin ? (end - begin + kPageBlockSize - 1) / kPageBlockSize : 0; }
 };
 
-// Physical cache block of the page a buffer receives next, or kNoBlock: no page left for that buffer. 64-bit so
-// that no int32 block-table entry (even a bad one, which the TMA copy turns into zeros) can mean "none".
-using PageBlock = int64_t;
-constexpr PageBlock kNoBlock = INT64_MIN;
+// The page a buffer receives next: its physical cache block, unless no page is left for that buffer. The flag
+// is separate so that no block-table entry (even a bad one, which the TMA copy turns into zeros) means "none",
+// and the entry stays a plain 32-bit load whose latency hides behind the pair's work.
+struct PageBlock {
+  int block;
+  bool valid;
+};
+constexpr PageBlock kNoBlock{0, false};
 
 class PieceRange {
  public:
@@ -73,7 +77,7 @@ class PieceRange {
 
  private:
   __device__ PageBlock page_block(int seq, int page_in_seq) const {
-    return p_.block_table[seq * p_.block_table_stride + page_in_seq];
+    return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true};
   }
 
   // Page `page` of seq's piece.
