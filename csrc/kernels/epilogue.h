@@ -30,7 +30,9 @@ struct SplitKvEpilogue {
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const float total = quad_sum(stats.sum[r]);
-      const bool seen = total > 0.f;       // false: the row saw no key of this piece
+      // false only when the row saw no key of this piece (total exactly 0); a NaN total (NaN in q or in a
+      // visible key) stays NaN in out and lse, split or not.
+      const bool seen = !(total == 0.f);
       const float lse = seen ? (stats.max[r] * p.scale_log2 + log2f(total)) * kLn2 : -INFINITY;
       const int row = m_tile * Traits::kBlockM + get<0>(tOcO(r, 0));
       float inv = seen ? 1.f / total : 0.f;
