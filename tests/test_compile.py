@@ -110,7 +110,7 @@ def test_programmatic_dependent_launch_is_compiled(tmp_path):
                              (ROOT / "csrc" / "kernels" / "combine.cu", "griddepcontrol.wait")):
         ptx = tmp_path / (src.stem + ".ptx")
         proc = subprocess.run([NVCC, *_flags(), "-gencode", "arch=compute_90a,code=sm_90a", "-ptx", str(src),
-                               "-o", str(ptx)], capture_output=True, text=True)
+                               "-o", str(ptx)], capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert instruction in ptx.read_text(), f"{src.name}: no {instruction} in the PTX"
 
