@@ -149,9 +149,19 @@ def test_deterministic():
 # (pieces, length, SM parts): the device plan cuts one sequence of that length into exactly that many pieces
 # (num_sms = parts * query-row tiles); 1024 pieces is a 1M-token cache (1.2 GB in bf16).
 PIECE_COUNTS = [(1, 3000, 1), (2, 9983, 2), (133, 33851, 134), (1024, 1048256, 1024)]
+WIDE_MIN_PIECES = 16     # csrc/kernels/combine.cu kWideMinPieces: from here on a split sequence gets the wide tile
 
 
-WIDE_MIN_PIECES = 16     # csrc/kernels/combine.cu kWideMinPieces: the tile a split sequence's rows get
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q", [16, 128])
+@pytest.mark.parametrize("pieces,length,parts", PIECE_COUNTS, ids=[f"{c[0]}_pieces" for c in PIECE_COUNTS])
+def test_combine_piece_counts(pieces, length, parts, h_q, dtype):
+    """b = 1 cut into 1, 2, 133 and 1024 pieces: every output element written (outputs start as NaN, cache slots
+    past the length are NaN) and equal to the float32 reference."""
+    _, (md, ns), _, _, metrics = run_case([length], 1, h_q, dtype=dtype, num_sms=parts * -(-h_q // 64))
+    assert md.shape[0] == parts and ns.tolist() == [0, pieces]
+    assert_close(metrics, dtype, f"{pieces} pieces, h_q={h_q}")
 
 
 @needs_hopper
