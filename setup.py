@@ -63,6 +63,8 @@ def extensions():
     nvcc_flags = [
         "-O3", "-std=c++17", "-DNDEBUG", "-lineinfo", "--use_fast_math", "--expt-relaxed-constexpr",
         "-gencode", "arch=compute_90a,code=sm_90a",
+        # cutlass::arch::launch_dependent_grids() (the split kernel's PDL trigger) compiles to nothing without it.
+        "-DCUTLASS_ENABLE_GDC_FOR_SM90",
         # PyTorch disables the CUDA half/bf16 operators by default; CUTLASS's numeric types need them.
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",

@@ -40,7 +40,9 @@ def cutlass_include() -> str:
 
 def _flags():
     cuda_include_cccl = str(Path(NVCC).resolve().parents[1] / "include" / "cccl")
+    # -DCUTLASS_ENABLE_GDC_FOR_SM90 as in setup.py: without it the split kernel's PDL trigger compiles to nothing.
     return ["-std=c++17", "-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
+            "-DCUTLASS_ENABLE_GDC_FOR_SM90",
             f"-I{cutlass_include()}", f"-I{ROOT / 'csrc' / 'kernels'}", f"-I{cuda_include_cccl}"]
 
 
@@ -83,14 +85,34 @@ def test_every_kernel_compiles_for_sm90a(compiled):
             print(f"{cu.name}: {name[:70]}: {regs} registers, {st} B spill stores, {ld} B spill loads")
 
 
-def test_attention_kernels_do_not_spill(compiled):
+@pytest.mark.parametrize("kernel", ["mla_splitkv_kernel", "mla_combine_kernel"], ids=["splitkv", "combine"])
+def test_attention_kernels_do_not_spill(compiled, kernel):
+    """Both instantiations (bf16, fp16) of the split-KV and of the combine kernel."""
+    expected = 2
     found = 0
     for cu, proc in compiled:
         for name, regs, stores, loads in parse_ptxas(proc.stderr):
-            if "mla_splitkv_kernel" in name:
+            if kernel in name:
                 found += 1
                 assert stores == 0 and loads == 0, f"{name}: {stores} B spill stores, {loads} B spill loads ({regs} registers)"
-    assert found == 2, f"expected the bf16 and fp16 split-KV kernels in the ptxas report, found {found}"
+    assert found == expected, f"expected {expected} {kernel} instantiations in the ptxas report, found {found}"
+
+
+def test_programmatic_dependent_launch_is_compiled(tmp_path):
+    """The combine kernel waits in griddepcontrol.wait, and the split kernel's trigger (CUTLASS's
+    launch_dependent_grids, a no-op unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined) really is an instruction under
+    the flags setup.py builds with. A cheap probe stands in for the split kernel (its PTX takes a minute)."""
+    assert "-DCUTLASS_ENABLE_GDC_FOR_SM90" in (ROOT / "setup.py").read_text()
+    probe = tmp_path / "trigger_probe.cu"
+    probe.write_text("#include <cutlass/arch/grid_dependency_control.h>\n"
+                     "__global__ void probe() { cutlass::arch::launch_dependent_grids(); }\n")
+    for src, instruction in ((probe, "griddepcontrol.launch_dependents"),
+                             (ROOT / "csrc" / "kernels" / "combine.cu", "griddepcontrol.wait")):
+        ptx = tmp_path / (src.stem + ".ptx")
+        proc = subprocess.run([NVCC, *_flags(), "-gencode", "arch=compute_90a,code=sm_90a", "-ptx", str(src),
+                               "-o", str(ptx)], capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        assert instruction in ptx.read_text(), f"{src.name}: no {instruction} in the PTX"
 
 
 def test_no_serialized_wgmma(compiled):

@@ -154,6 +154,57 @@ def test_non_contiguous_q_and_cache_views():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# many pieces per sequence: the combine step at 1, 2, 133 and > 1000 pieces (issue 12)
+
+
+class _PoisonedTorch:
+    """`torch` as flash_mla.cpu_backend sees it, except that torch.empty returns NaN-filled tensors: an output
+    element the backend fails to write then shows up as NaN."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*size, dtype=None, **kwargs):
+        return torch.full(size, math.nan, dtype=dtype, **kwargs)
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    monkeypatch.setattr("flash_mla.cpu_backend.torch", _PoisonedTorch())
+
+
+# (pieces, length, num_sms): the scheduler twin's plan for one sequence of that length is cut into exactly that many
+# pieces; lengths end mid-page, so the last page's slots past the end (NaN) must be masked.
+PIECE_COUNTS = [(1, 3000, 1), (2, 10000 - 17, 2), (133, 33856 - 5, 134), (1100, 70383, 1200)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pieces,length,num_sms", PIECE_COUNTS, ids=[f"{c[0]}_pieces" for c in PIECE_COUNTS])
+def test_one_sequence_cut_into_many_pieces(poisoned_outputs, pieces, length, num_sms, dtype):
+    g = torch.Generator().manual_seed(pieces)
+    batch = make_decode_batch([length], s_q=1, h_q=16, dtype=dtype, causal=True, generator=g)
+    out, lse, ns = run(batch, num_sms=num_sms)
+    assert ns.tolist() == [0, pieces]
+    assert_close(compare(out, lse, *reference_for(batch)), dtype, f"{pieces} pieces")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_sms", [40, 132])
+def test_empty_sequences_between_split_ones(poisoned_outputs, num_sms, dtype):
+    """L = 0 rows (CUDA-graph padding) between split sequences: exactly 0 / -inf, and the split rows exact."""
+    seqlens = [0, 5000, 0, 0, 3001, 0, 9000, 0]
+    g = torch.Generator().manual_seed(num_sms)
+    batch = make_decode_batch(seqlens, s_q=2, h_q=16, dtype=dtype, causal=True, generator=g)
+    out, lse, ns = run(batch, num_sms=num_sms)
+    pieces = (ns[1:] - ns[:-1]).tolist()
+    assert all((n > 1) == (L > 0) for n, L in zip(pieces, seqlens)), pieces
+    empty = batch.cache_seqlens == 0
+    assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    assert_close(compare(out, lse, *reference_for(batch)), dtype, f"num_sms={num_sms}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # combine_pieces
 
 

@@ -11,7 +11,9 @@ reference has it, and the device scheduler's metadata equal to the Python twin's
 from __future__ import annotations
 
 import argparse
+import inspect
 import itertools
+import math
 import os
 import sys
 
@@ -40,15 +42,17 @@ def _hopper_reason():
 needs_hopper = pytest.mark.skipif(_hopper_reason() is not None, reason=_hopper_reason() or "")
 
 
-def run_case(seqlens, s_q, h_q, h_kv=1, causal=True, dtype=torch.bfloat16, seed=0, reference_on_device=True):
-    """Build a batch, run metadata + decode on the GPU, compare with the reference. Returns (batch, metrics)."""
+def run_case(seqlens, s_q, h_q, h_kv=1, causal=True, dtype=torch.bfloat16, seed=0, reference_on_device=True,
+             num_sms=None):
+    """Build a batch, run metadata + decode on the GPU, compare with the reference. Returns (batch, metrics).
+    num_sms: what get_mla_metadata plans for (default: the GPU's count); more SMs cut sequences into more pieces."""
     gen = torch.Generator().manual_seed(seed)
     batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, h_kv=h_kv, dtype=dtype, device="cuda", causal=causal,
                               generator=gen)
     rows = s_q * h_q // h_kv
-    metadata, num_splits = flash_mla.get_mla_metadata(batch.cache_seqlens, rows, h_kv)
+    metadata, num_splits = flash_mla.get_mla_metadata(batch.cache_seqlens, rows, h_kv, num_sms=num_sms)
     twin_md, twin_ns = get_mla_metadata_twin(batch.cache_seqlens.cpu(), rows, h_kv,
-                                             torch.cuda.get_device_properties(0).multi_processor_count)
+                                             num_sms or torch.cuda.get_device_properties(0).multi_processor_count)
     assert torch.equal(metadata.cpu(), twin_md), "device metadata differs from the Python twin"
     assert torch.equal(num_splits.cpu(), twin_ns), "device num_splits differs from the Python twin"
     b = len(seqlens)
@@ -136,6 +140,81 @@ def test_deterministic():
     again = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512,
                                              md, ns, causal=True)
     assert torch.equal(out, again[0]) and torch.equal(lse, again[1])
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# combine kernel (issue 12): many pieces per sequence, empty rows between split ones, attention sink
+# ----------------------------------------------------------------------------------------------------------------
+
+# (pieces, length, SM parts): the device plan cuts one sequence of that length into exactly that many pieces
+# (num_sms = parts * query-row tiles); 1024 pieces is a 1M-token cache (1.2 GB in bf16).
+PIECE_COUNTS = [(1, 3000, 1), (2, 9983, 2), (133, 33851, 134), (1024, 1048256, 1024)]
+WIDE_MIN_PIECES = 16     # csrc/kernels/combine.cu kWideMinPieces: from here on a split sequence gets the wide tile
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("h_q", [16, 128])
+@pytest.mark.parametrize("pieces,length,parts", PIECE_COUNTS, ids=[f"{c[0]}_pieces" for c in PIECE_COUNTS])
+def test_combine_piece_counts(pieces, length, parts, h_q, dtype):
+    """b = 1 cut into 1, 2, 133 and 1024 pieces: every output element written (outputs start as NaN, cache slots
+    past the length are NaN) and equal to the float32 reference."""
+    _, (md, ns), _, _, metrics = run_case([length], 1, h_q, dtype=dtype, num_sms=parts * -(-h_q // 64))
+    assert md.shape[0] == parts and ns.tolist() == [0, pieces]
+    assert_close(metrics, dtype, f"{pieces} pieces, h_q={h_q}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s_q,h_q", [(2, 16), (3, 2)])
+@pytest.mark.parametrize("case", ["mixed", "padded_b32"])
+def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
+    """L = 0 sequences (CUDA-graph padding) between split ones stay exactly out 0 / lse -inf, and every split row
+    is exact. 'mixed' has sequences for both combine tiles (>= 16 pieces: wide, 2-15: tall) and unsplit ones;
+    'padded_b32' is one long sequence padded to b = 32. h_q = 2, s_q = 3 leaves padding rows in the tall tile."""
+    if case == "mixed":
+        seqlens = [0, 20000, 0, 0, 2500, 0, 9000, 0, 700, 3000, 0, 1]
+    else:
+        seqlens = [33851] + [0] * 31
+    batch, (md, ns), out, lse, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, seed=len(seqlens))
+    pieces = (ns[1:] - ns[:-1]).tolist()
+    assert all((n > 1) == (L > 64) for n, L in zip(pieces, seqlens)), pieces
+    assert max(pieces) >= WIDE_MIN_PIECES
+    if case == "mixed":
+        assert any(1 < n < WIDE_MIN_PIECES for n in pieces), pieces
+    empty = batch.cache_seqlens == 0
+    assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
+    assert_close(metrics, dtype, f"{case}: pieces {pieces}")
+
+
+def _has_attn_sink():
+    return "attn_sink" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
+
+
+@needs_hopper
+@pytest.mark.skipif(not _has_attn_sink(), reason="flash_mla_with_kvcache takes no attn_sink here (issue 13's binding)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_attn_sink_on_split_and_unsplit_rows(dtype):
+    """out = reference out / (1 + exp(sink[h] - lse)), lse unchanged, on split rows (the combine kernel) and unsplit
+    ones (the split kernel's epilogue); a row that sees no key stays 0 / -inf; a +inf sink gives 0."""
+    seqlens = [0, 20000, 70, 0, 9001, 1]          # causal, s_q = 2: the L = 1 sequence's first token sees no key
+    s_q, h_q = 2, 16
+    batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, device="cuda", causal=True,
+                              generator=torch.Generator().manual_seed(13))
+    sink = torch.randn(h_q, generator=torch.Generator().manual_seed(14)) * 3
+    sink[3], sink[5] = math.inf, -math.inf
+    md, ns = flash_mla.get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1)
+    pieces = (ns[1:] - ns[:-1]).cpu()
+    assert bool((pieces > 1).any()) and bool(((pieces == 1) & (batch.cache_seqlens.cpu() > 0)).any())
+    poison_cuda_allocator(2 * (len(seqlens) + md.shape[0]) * s_q * h_q * 512 * 4)
+    out, lse = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512,
+                                                md, ns, causal=True, attn_sink=sink.cuda())
+    torch.cuda.synchronize()
+    ref_out, ref_lse = reference_for(batch)
+    factor = torch.where(torch.isneginf(ref_lse), 1.0, 1.0 / (1.0 + torch.exp(sink[None, :, None] - ref_lse)))
+    assert_close(compare(out, lse, ref_out * factor.transpose(1, 2)[..., None], ref_lse), dtype, "attn_sink")
+    assert bool((out[:, :, 3] == 0).all()), "+inf sink"
+    assert bool((out[5, 0] == 0).all()) and bool(torch.isneginf(lse[5, :, 0]).all()), "row without keys"
 
 
 # ----------------------------------------------------------------------------------------------------------------

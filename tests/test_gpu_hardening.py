@@ -192,6 +192,33 @@ def test_cuda_graph_replays_on_a_side_stream_and_repeats(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_cuda_graph_replay_long_sequences_many_pieces(backend):
+    """The combine kernel inside a graph, launched as a programmatic dependent of the split kernel (the default):
+    one capture over long sequences, replayed with plans that cut one sequence into ~130 pieces, split several
+    with L = 0 rows between them, or split nothing. Outputs start as NaN before every replay."""
+    needs_device_metadata()
+    b, max_pages = 4, 640                                  # capacity 40960 tokens per sequence
+    gen = torch.Generator().manual_seed(12)
+    step = CapturedStep(b, 1, 16, max_pages, num_blocks=b * max_pages, backend=backend)
+    step.load([20000] * b, gen)
+    g_md, g_ns, g_out, g_lse = step.capture()
+    cases = [("one long", [40960, 0, 0, 0]), ("padded", [0, 33851, 0, 9001]), ("short", [1, 64, 0, 65]),
+             ("all empty", [0] * b), ("full", [40960] * b), ("one long again", [0, 0, 0, 40000])]
+    for name, seqlens in cases:
+        batch = step.load(seqlens, gen)
+        g_out.fill_(NAN)
+        g_lse.fill_(NAN)
+        step.graph.replay()
+        torch.cuda.synchronize()
+        check_metadata(batch, g_md, g_ns)
+        assert_close(compare(g_out, g_lse, *reference_for(batch, on_device=True)), BF16, f"{backend} '{name}'")
+        empty = batch.cache_seqlens == 0
+        assert torch.all(g_out[empty] == 0) and torch.all(torch.isneginf(g_lse[empty])), name
+        _, _, out, lse = step.step()
+        assert torch.equal(out, g_out) and torch.equal(lse, g_lse), f"{backend} '{name}': replay vs eager"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_no_host_sync(backend):
     """Neither call synchronises with the host (validation included), so both can be captured."""
     needs_device_metadata()
