@@ -17,11 +17,9 @@ import os
 
 import torch
 
-HEAD_DIM_QK = 576          # 512 latent ("NoPE") + 64 RoPE columns
-HEAD_DIM_V = 512           # V is the first 512 columns of the cache
-PAGE_BLOCK_SIZE = 64
-METADATA_WIDTH = 8         # int32 words per SM part in tile_scheduler_metadata
-DEFAULT_SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5
+from ._geometry import DEFAULT_SOFTMAX_SCALE, HEAD_DIM_QK, HEAD_DIM_V, METADATA_WIDTH, PAGE_BLOCK_SIZE  # noqa: F401
+from .scheduler import schedule  # the Python twin of the device scheduler (debug mode compares the plan with it)
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8           # kernels move 16-byte vectors: strides must be multiples of 8 half-precision elements
 DEBUG_ENV_VAR = "FLASH_MLA_DEBUG"
@@ -85,7 +83,8 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k) -> Non
     if cache_seqlens.shape[0] == 0:
         c.fail(ValueError, "cache_seqlens", "at least one sequence", "an empty tensor")
     if cache_seqlens.device.type not in ("cpu", "cuda"):
-        c.fail(ValueError, "cache_seqlens", "a tensor on a CUDA device or the CPU", f"a tensor on {cache_seqlens.device}")
+        c.fail(ValueError, "cache_seqlens", "a tensor on a CUDA device or the CPU",
+               f"a tensor on {cache_seqlens.device}")
     c.integer("num_heads_per_head_k", num_heads_per_head_k, 1)
     c.integer("num_heads_k", num_heads_k, 1)
 
@@ -190,7 +189,8 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     if tile_scheduler_metadata.shape[0] == 0:
         c.fail(ValueError, "tile_scheduler_metadata", "at least one SM part", "shape (0, 8)")
     if not tile_scheduler_metadata.is_contiguous():
-        c.fail(ValueError, "tile_scheduler_metadata", "a contiguous tensor", f"strides {tile_scheduler_metadata.stride()}")
+        c.fail(ValueError, "tile_scheduler_metadata", "a contiguous tensor",
+               f"strides {tile_scheduler_metadata.stride()}")
 
     c.tensor("num_splits", num_splits)
     c.dtype("num_splits", num_splits, torch.int32)
@@ -239,9 +239,6 @@ def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_m
     * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything).
     Raises ValueError naming the sequence and the bad entry.
     """
-    # the Python twin of the device scheduler (imported here: scheduler.py imports this module)
-    from .scheduler import schedule
-
     c = _Checker("flash_mla_with_kvcache")
     seqlens = cache_seqlens.tolist()
     num_blocks, max_pages = k_cache.shape[0], block_table.shape[1]

@@ -26,7 +26,7 @@ ENV_VAR = "FLASH_MLA_BACKEND"
 DEFAULT_CPU_NUM_SMS = 132   # the H100 SXM's multiprocessors: the CPU path then cuts work like the GPU does
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import(module: str):
     """(module, None) or (None, reason it failed to import)."""
     try:
@@ -63,7 +63,8 @@ def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
                     "reinstall with nvcc and a CUDA build of PyTorch: pip install --no-build-isolation -e .")
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
-            return f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+            return (f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is "
+                    f"sm_{major}{minor}")
         return None
     module, why = _import("flash_mla.triton_backend")
     if module is None:
@@ -77,7 +78,8 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         requested = os.environ.get(ENV_VAR) or None
     if requested is not None:
         if requested not in BACKENDS:
-            raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), got {requested!r}")
+            raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), "
+                             f"got {requested!r}")
         reason = _unavailable_reason(requested, device)
         if reason is not None:
             raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
@@ -88,14 +90,14 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         for candidate in ("cuda", "triton"):
             if _unavailable_reason(candidate, device) is None:
                 return candidate
-        raise RuntimeError(f"flash_mla: no backend can run on {device}: "
-                           f"cuda: {_unavailable_reason('cuda', device)}; triton: {_unavailable_reason('triton', device)}")
+        raise RuntimeError(f"flash_mla: no backend can run on {device}: cuda: {_unavailable_reason('cuda', device)}; "
+                           f"triton: {_unavailable_reason('triton', device)}")
     raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
 
 
 # ---- running a call (arguments already validated); shared by the eager API and the torch.library ops ---------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_num_sms(device: torch.device) -> int:
     """Multiprocessors get_mla_metadata plans for by default: the GPU's count, or 132 (an H100) on the CPU."""
     if device.type == "cuda":
@@ -112,8 +114,8 @@ def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_hea
     if cache_seqlens.is_cuda and ext is not None:
         if num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k) > _validation.MAX_SM_PARTS:
             _validation._Checker("get_mla_metadata").fail(
-                ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // num_heads_k "
-                "// ceil(num_heads_per_head_k / 64))", num_sms)
+                ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // "
+                "num_heads_k // ceil(num_heads_per_head_k / 64))", num_sms)
         return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
     return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
 

@@ -55,7 +55,8 @@ if AVAILABLE:
     def mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
                    softmax_scale: float, causal: bool,
-                   backend: Optional[str] = None,  # noqa: UP045  (torch.library evaluates it, also on Python 3.9)
+                   # Optional[...]: torch.library evaluates these annotations, also on Python 3.9
+                   backend: Optional[str] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                       num_splits, softmax_scale, causal)

@@ -9,9 +9,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE
 from .reference import mla_decode_reference
-
-from ._validation import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE  # noqa: F401  (re-exported for tests)
 
 
 @dataclass
@@ -99,7 +98,7 @@ def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse
     ref_out, ref_lse = ref_out.float().cpu(), ref_lse.float().cpu()
     finite = torch.isfinite(ref_lse)
     eps = 1e-12
-    d_out = out.double().flatten(); r_out = ref_out.double().flatten()
+    d_out, r_out = out.double().flatten(), ref_out.double().flatten()
     cos = (d_out @ r_out) / (d_out.norm() * r_out.norm()).clamp_min(eps)
     lse_err = ((lse[finite] - ref_lse[finite]).norm() / ref_lse[finite].norm().clamp_min(eps)).item() \
         if finite.any() else 0.0

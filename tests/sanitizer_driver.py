@@ -93,7 +93,8 @@ def main() -> int:
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
     parser.add_argument("--pipelines", default="default",
                         help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
-                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; "default": the built-in schedule)")
+                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; 'default': the "
+                             "built-in schedule)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")
