@@ -61,6 +61,16 @@ def make_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv:
                        causal=causal)
 
 
+def make_attn_sink(h_q: int, generator: Optional[torch.Generator] = None, device="cpu") -> torch.Tensor:
+    """(h_q,) float32 sink logits for tests: values around the lse of rows with tens to hundreds of keys (where
+    the sink changes the output the most), plus the edge cases in heads 0-3: +inf (out 0), -inf (no effect),
+    60 (out scaled by ~e^-55, i.e. nearly 0 but not quite), 0."""
+    sink = torch.randn(h_q, generator=generator) * 2 + 4
+    edges = torch.tensor([math.inf, -math.inf, 60.0, 0.0])[:h_q]
+    sink[:len(edges)] = edges
+    return sink.to(device)
+
+
 def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
                    generator: Optional[torch.Generator] = None) -> list:
     """Upstream's benchmark lengths: all `mean`, or ~N(mean, mean/2) clipped to at least s_q."""
@@ -70,18 +80,20 @@ def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
     return [max(int(x), s_q) for x in lens.tolist()]
 
 
-def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None, on_device: bool = False):
+def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None, on_device: bool = False,
+                  attn_sink: Optional[torch.Tensor] = None):
     """float32 reference (out, lse): on the CPU, or on the batch's device (TF32 off) for large GPU batches."""
     if on_device:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         try:
             return mla_decode_reference(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens.cpu(),
-                                        HEAD_DIM_V, softmax_scale, batch.causal)
+                                        HEAD_DIM_V, softmax_scale, batch.causal, attn_sink=attn_sink)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
     return mla_decode_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.block_table.cpu(),
-                                batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal)
+                                batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal,
+                                attn_sink=None if attn_sink is None else attn_sink.cpu())
 
 
 def poison_cuda_allocator(nbytes: int, device="cuda") -> None:
