@@ -26,7 +26,7 @@ def cutlass_include() -> str:
         import cutlass_library
     except ImportError:
         raise SystemExit("flash_mla setup: CUTLASS headers not found: check out the third_party/cutlass submodule "
-                         "or `pip install nvidia-cutlass` first (the build runs without isolation)")
+                         "or `pip install nvidia-cutlass` first (the build runs without isolation)") from None
     return str(Path(cutlass_library.__file__).parent / "source" / "include")
 
 

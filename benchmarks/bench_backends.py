@@ -15,10 +15,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import flash_mla  # noqa: E402
-from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,  # noqa: E402
+import flash_mla
+from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,
                                random_seqlens)
-from test_flash_mla import reference_sweep, time_decode  # noqa: E402
+from test_flash_mla import reference_sweep, time_decode
 
 
 def main():
@@ -29,10 +29,12 @@ def main():
     args = ap.parse_args()
     backends = args.backends.split(",")
     print(f"device: {torch.cuda.get_device_name()}  bf16 causal h_kv=1 b=128; median of 15 reps x 10 calls")
-    print(f"{'mean':>6} {'h_q':>4} {'s_q':>3} {'varlen':>6} {'backend':>7} {'time_us':>9} {'TFLOP/s':>8} {'GB/s':>7} {'vs cuda':>8}")
+    print(f"{'mean':>6} {'h_q':>4} {'s_q':>3} {'varlen':>6} {'backend':>7} {'time_us':>9} {'TFLOP/s':>8} "
+          f"{'GB/s':>7} {'vs cuda':>8}")
     rows = []
     for i, row in enumerate(reference_sweep(args.quick)):
-        seqlens = random_seqlens(row["b"], row["mean"], row["s_q"], row["varlen"], generator=torch.Generator().manual_seed(i))
+        seqlens = random_seqlens(row["b"], row["mean"], row["s_q"], row["varlen"],
+                                 generator=torch.Generator().manual_seed(i))
         batch = make_decode_batch(seqlens, s_q=row["s_q"], h_q=row["h_q"], device="cuda", causal=True,
                                   generator=torch.Generator().manual_seed(i))
         md, ns = flash_mla.get_mla_metadata(batch.cache_seqlens, row["s_q"] * row["h_q"], 1)
@@ -52,7 +54,7 @@ def main():
             rows.append(dict(row, backend=backend, time_us=t * 1e6, tflops=flops / t / 1e12, gbps=nbytes / t / 1e9,
                              ratio=merit / base))
             r = rows[-1]
-            print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {str(row['varlen']):>6} {backend:>7} "
+            print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {row['varlen']!s:>6} {backend:>7} "
                   f"{r['time_us']:>9.1f} {r['tflops']:>8.1f} {r['gbps']:>7.0f} {r['ratio']:>8.2f}", flush=True)
         del batch
         torch.cuda.empty_cache()

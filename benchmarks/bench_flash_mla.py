@@ -828,6 +828,9 @@ def main(argv=None) -> int:
         if why is not None:
             print(f"  backend {n}: skipped: {why}")
         else:
+            if n == "triton" and device.type == "cpu":
+                print("  backend triton: runs in Triton's interpreter (TRITON_INTERPRET=1): its results are "
+                      "checked, its times are the interpreter's, not a kernel's")
             backends.append(be)
     if not backends:
         print("no backend can run here")

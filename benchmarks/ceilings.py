@@ -11,7 +11,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from flash_mla.testing import cuda_median_seconds  # noqa: E402
+from flash_mla.testing import cuda_median_seconds
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:

@@ -9,8 +9,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import flash_mla  # noqa: E402
-from flash_mla.testing import make_decode_batch, random_seqlens  # noqa: E402
+import flash_mla
+from flash_mla.testing import make_decode_batch, random_seqlens
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--b", type=int, default=128)

@@ -66,7 +66,7 @@ def main() -> None:
                 if len(compiled) > before:            # this configuration compiled a new variant: record it
                     resources[bm, bn, warps, stages] = f"{compiled[-1].n_regs:>4} {compiled[-1].n_spills:>6}"
                 ms = cuda_median_seconds(step, reps=20) * 1e3
-            except Exception as e:  # a configuration the compiler rejects (shared memory, ...)
+            except Exception as e:  # noqa: BLE001  (a configuration the compiler rejects: shared memory, ...)
                 print(f"{bm:>3} {bn:>3} {warps:>5} {stages:>6}  failed: {type(e).__name__}: {str(e)[:80]}")
                 continue
             print(f"{bm:>3} {bn:>3} {warps:>5} {stages:>6} {ms:>8.3f} {nbytes / ms / 1e6:>7.0f} "

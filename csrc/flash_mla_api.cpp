@@ -6,6 +6,7 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <optional>
 
 #include "kernels/params.h"
 
@@ -59,7 +60,8 @@ void check_rows_16_byte_aligned(const at::Tensor& x, const char* name) {
 
 std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
                                    const at::Tensor& seqlens, int64_t head_dim_v, const at::Tensor& metadata,
-                                   const at::Tensor& num_splits, double softmax_scale, bool causal) {
+                                   const at::Tensor& num_splits, double softmax_scale, bool causal,
+                                   const std::optional<at::Tensor>& attn_sink) {
   TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
   const auto dev = q.device();
   const auto dtype = q.scalar_type();
@@ -87,10 +89,20 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
               "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
   CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
   TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
+  // Optional attention sink, one float32 logit per query head (any stride: made contiguous below).
+  if (attn_sink.has_value()) {
+    const at::Tensor& sink = *attn_sink;
+    TORCH_CHECK(sink.device() == dev, "attn_sink: expected a tensor on ", dev, ", got ", sink.device());
+    TORCH_CHECK(sink.scalar_type() == at::kFloat, "attn_sink: expected dtype float32, got ", sink.scalar_type());
+    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
+                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
+  }
 
   const c10::cuda::CUDAGuard guard(dev);
   const auto seqlens_c = seqlens.contiguous();
   const auto num_splits_c = num_splits.contiguous();
+  // Kept alive until the launches are queued; the caching allocator orders its reuse after them on this stream.
+  const at::Tensor sink_c = attn_sink.has_value() ? attn_sink->contiguous() : at::Tensor();
   const int num_sm_parts = metadata.size(0);
   const int heads_per_kv = num_heads_q / num_heads_k;
   const int rows_per_kv = seqlen_q * heads_per_kv;
@@ -118,6 +130,7 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.metadata = metadata.data_ptr<int32_t>();
   p.num_splits = num_splits_c.data_ptr<int32_t>();
   p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
+  p.attn_sink = sink_c.defined() ? sink_c.data_ptr<float>() : nullptr;
   p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
 
   void* stream = at::cuda::getCurrentCUDAStream().stream();
@@ -145,5 +158,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &flash_mla::mla_decode, "Split-KV MLA decoding + combine", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("block_table"), pybind11::arg("cache_seqlens"),
         pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"));
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("attn_sink") = pybind11::none());
 }

@@ -3,9 +3,14 @@
     tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)
     out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512,
                                       tile_scheduler_metadata, num_splits, causal=True)
+
+or upstream's current form, planned by the first call that uses the schedule:
+
+    schedule, _ = get_mla_metadata()
+    out, lse = flash_mla_with_kvcache(q, k_cache, block_table, cache_seqlens, 512, schedule, None, causal=True)
 """
-from .interface import flash_mla_with_kvcache, get_mla_metadata
+from .interface import FlashMLASchedMeta, MLASchedule, flash_mla_with_kvcache, get_mla_metadata
 from .reference import mla_decode_reference
 
-__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "mla_decode_reference"]
+__all__ = ["get_mla_metadata", "flash_mla_with_kvcache", "MLASchedule", "FlashMLASchedMeta", "mla_decode_reference"]
 __version__ = "0.1.0"

@@ -20,13 +20,13 @@ from typing import List, Optional
 import torch
 
 from . import __version__
+from ._geometry import HEAD_DIM_V
 from .backends import BACKENDS, select_backend
 from .backends import _unavailable_reason as unavailable_reason
 from .interface import flash_mla_with_kvcache, get_mla_metadata
 from .testing import (COS_TOLERANCE, TOLERANCE, compare, cuda_median_seconds, decode_flops_and_bytes,
                       make_decode_batch, random_seqlens, reference_for)
 
-from ._validation import HEAD_DIM_V
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 DEFAULTS = {  # per device: batch, mean length, h_q, s_q, timed runs
     "cuda": dict(batch=128, seqlen=4096, heads=128, seqlen_q=1, runs=20),

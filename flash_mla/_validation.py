@@ -17,11 +17,9 @@ import os
 
 import torch
 
-HEAD_DIM_QK = 576          # 512 latent ("NoPE") + 64 RoPE columns
-HEAD_DIM_V = 512           # V is the first 512 columns of the cache
-PAGE_BLOCK_SIZE = 64
-METADATA_WIDTH = 8         # int32 words per SM part in tile_scheduler_metadata
-DEFAULT_SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5
+from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, METADATA_WIDTH, PAGE_BLOCK_SIZE
+from .scheduler import schedule  # the Python twin of the device scheduler (debug mode compares the plan with it)
+
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 VECTOR_ELEMS = 8           # kernels move 16-byte vectors: strides must be multiples of 8 half-precision elements
 DEBUG_ENV_VAR = "FLASH_MLA_DEBUG"
@@ -77,7 +75,7 @@ class _Checker:
                       f"strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}")
 
 
-def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k) -> None:
+def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q=None) -> None:
     c = _Checker("get_mla_metadata")
     c.tensor("cache_seqlens", cache_seqlens)
     c.dtype("cache_seqlens", cache_seqlens, torch.int32)
@@ -85,12 +83,19 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k) -> Non
     if cache_seqlens.shape[0] == 0:
         c.fail(ValueError, "cache_seqlens", "at least one sequence", "an empty tensor")
     if cache_seqlens.device.type not in ("cpu", "cuda"):
-        c.fail(ValueError, "cache_seqlens", "a tensor on a CUDA device or the CPU", f"a tensor on {cache_seqlens.device}")
+        c.fail(ValueError, "cache_seqlens", "a tensor on a CUDA device or the CPU",
+               f"a tensor on {cache_seqlens.device}")
     c.integer("num_heads_per_head_k", num_heads_per_head_k, 1)
     c.integer("num_heads_k", num_heads_k, 1)
+    if num_heads_q is not None:   # optional (upstream's engines pass it); the plan does not need it
+        c.integer("num_heads_q", num_heads_q, 1)
+        if num_heads_q % num_heads_k or (num_heads_per_head_k * num_heads_k) % num_heads_q:
+            c.fail(ValueError, "num_heads_q", f"a multiple of num_heads_k = {num_heads_k} that divides "
+                   f"num_heads_per_head_k * num_heads_k = {num_heads_per_head_k * num_heads_k} (seqlen_q * "
+                   "num_heads_q)", num_heads_q)
 
 
-def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal,
+def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal, attn_sink,
                     pointers: bool) -> bool:
     """True only if every check of `_check_decode_args` passes (it may be False when they would all pass too:
     then the detailed checks simply run). One flat expression, because it runs on every call."""
@@ -123,22 +128,29 @@ def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, 
             and (softmax_scale is None or (type(softmax_scale) in (float, int) and math.isfinite(softmax_scale)
                                            and softmax_scale > 0))
             and type(causal) is bool
+            and (attn_sink is None or (isinstance(attn_sink, T) and attn_sink.dtype == torch.float32
+                                       and attn_sink.dim() == 1 and attn_sink.shape[0] == h_q
+                                       and attn_sink.device == dev))
             and (not pointers or (q.data_ptr() % 16 == 0 and k_cache.data_ptr() % 16 == 0)))
 
 
 def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale: float | None, causal, pointers: bool = True) -> None:
+                      softmax_scale: float | None, causal, attn_sink=None, pointers: bool = True,
+                      planned_here: bool = False) -> None:
     """Raise the documented exception for the first bad argument. `pointers=False` skips the 16-byte alignment
-    of data pointers (fake tensors under torch.compile have none; the real call checks it again)."""
-    if _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal, pointers):
+    of data pointers (fake tensors under torch.compile have none; the real call checks it again).
+    `planned_here=True`: the plan does not exist yet (a lazy schedule's first call checks everything else before
+    planning from these shapes), so tile_scheduler_metadata and num_splits are not checked."""
+    if not planned_here and _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                            tile_scheduler_metadata, num_splits, softmax_scale, causal, attn_sink,
+                                            pointers):
         return
     _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal, pointers)
+                       softmax_scale, causal, attn_sink, pointers, planned_here)
 
 
 def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale: float | None, causal, pointers: bool) -> None:
+                       softmax_scale: float | None, causal, attn_sink, pointers: bool, planned_here: bool) -> None:
     c = _Checker("flash_mla_with_kvcache")
     c.tensor("q", q)
     c.rank("q", q, 4, "(batch_size, seqlen_q, num_heads_q, head_dim)")
@@ -182,21 +194,8 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     c.device("cache_seqlens", cache_seqlens, q.device)
     c.dim("cache_seqlens", cache_seqlens, 0, b, "batch_size, equal to q's")
 
-    c.tensor("tile_scheduler_metadata", tile_scheduler_metadata)
-    c.dtype("tile_scheduler_metadata", tile_scheduler_metadata, torch.int32)
-    c.rank("tile_scheduler_metadata", tile_scheduler_metadata, 2, "(num_sm_parts, 8) from get_mla_metadata")
-    c.device("tile_scheduler_metadata", tile_scheduler_metadata, q.device)
-    c.dim("tile_scheduler_metadata", tile_scheduler_metadata, 1, METADATA_WIDTH, "metadata words per SM part")
-    if tile_scheduler_metadata.shape[0] == 0:
-        c.fail(ValueError, "tile_scheduler_metadata", "at least one SM part", "shape (0, 8)")
-    if not tile_scheduler_metadata.is_contiguous():
-        c.fail(ValueError, "tile_scheduler_metadata", "a contiguous tensor", f"strides {tile_scheduler_metadata.stride()}")
-
-    c.tensor("num_splits", num_splits)
-    c.dtype("num_splits", num_splits, torch.int32)
-    c.rank("num_splits", num_splits, 1, "(batch_size + 1,) from get_mla_metadata")
-    c.device("num_splits", num_splits, q.device)
-    c.dim("num_splits", num_splits, 0, b + 1, "batch_size + 1; metadata from a different batch?")
+    if not planned_here:
+        _check_plan(c, tile_scheduler_metadata, num_splits, q.device, b)
 
     if softmax_scale is not None:
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
@@ -205,6 +204,35 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
             c.fail(ValueError, "softmax_scale", "a finite positive float", softmax_scale)
     if not isinstance(causal, bool):
         c.fail(TypeError, "causal", "a bool", type(causal).__name__)
+
+    if attn_sink is not None:
+        c.tensor("attn_sink", attn_sink)
+        c.dtype("attn_sink", attn_sink, torch.float32)
+        c.rank("attn_sink", attn_sink, 1, "(num_heads_q,), one sink logit per query head")
+        c.device("attn_sink", attn_sink, q.device)
+        c.dim("attn_sink", attn_sink, 0, h_q, "num_heads_q, equal to q's")
+
+
+def _check_plan(c: _Checker, tile_scheduler_metadata, num_splits, device: torch.device, b: int) -> None:
+    if tile_scheduler_metadata is None and num_splits is None:
+        c.fail(TypeError, "tile_scheduler_metadata", "the tensors from get_mla_metadata(cache_seqlens, ...) or the "
+               "schedule from get_mla_metadata()", "None")
+    c.tensor("tile_scheduler_metadata", tile_scheduler_metadata)
+    c.dtype("tile_scheduler_metadata", tile_scheduler_metadata, torch.int32)
+    c.rank("tile_scheduler_metadata", tile_scheduler_metadata, 2, "(num_sm_parts, 8) from get_mla_metadata")
+    c.device("tile_scheduler_metadata", tile_scheduler_metadata, device)
+    c.dim("tile_scheduler_metadata", tile_scheduler_metadata, 1, METADATA_WIDTH, "metadata words per SM part")
+    if tile_scheduler_metadata.shape[0] == 0:
+        c.fail(ValueError, "tile_scheduler_metadata", "at least one SM part", "shape (0, 8)")
+    if not tile_scheduler_metadata.is_contiguous():
+        c.fail(ValueError, "tile_scheduler_metadata", "a contiguous tensor",
+               f"strides {tile_scheduler_metadata.stride()}")
+
+    c.tensor("num_splits", num_splits)
+    c.dtype("num_splits", num_splits, torch.int32)
+    c.rank("num_splits", num_splits, 1, "(batch_size + 1,) from get_mla_metadata")
+    c.device("num_splits", num_splits, device)
+    c.dim("num_splits", num_splits, 0, b + 1, "batch_size + 1; metadata from a different batch?")
 
 
 # ---- opt-in debug mode: value checks with a host synchronisation ----------------------------------------------
@@ -239,9 +267,6 @@ def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_m
     * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything).
     Raises ValueError naming the sequence and the bad entry.
     """
-    # the Python twin of the device scheduler (imported here: scheduler.py imports this module)
-    from .scheduler import schedule
-
     c = _Checker("flash_mla_with_kvcache")
     seqlens = cache_seqlens.tolist()
     num_blocks, max_pages = k_cache.shape[0], block_table.shape[1]

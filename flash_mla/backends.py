@@ -8,6 +8,8 @@ Backends:
 Automatic choice by the device of q: CPU tensors -> "cpu"; CUDA tensors -> "cuda" on compute capability 9.0
 when the extension is built, else "triton". A backend can be forced with the `backend=` keyword or the
 FLASH_MLA_BACKEND environment variable (the keyword wins); forcing one that cannot run raises RuntimeError.
+"triton" with CPU tensors runs the kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before triton
+was imported (slow; for debugging the kernels on a machine without a GPU).
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ ENV_VAR = "FLASH_MLA_BACKEND"
 DEFAULT_CPU_NUM_SMS = 132   # the H100 SXM's multiprocessors: the CPU path then cuts work like the GPU does
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _import(module: str):
     """(module, None) or (None, reason it failed to import)."""
     try:
@@ -49,11 +51,22 @@ def cuda_extension():
     return _import("flash_mla._cuda")[0]
 
 
+def triton_interpret_requested() -> bool:
+    """TRITON_INTERPRET set to a value Triton reads as true (1, true, on, yes, y)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
+
+
 def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     """Why `backend` cannot run on tensors of `device`, or None if it can."""
     if backend == "cpu":
         return None if device.type == "cpu" else f"the cpu backend needs CPU tensors, q is on {device}"
-    if device.type != "cuda":
+    if backend == "triton" and device.type == "cpu":
+        # Triton's interpreter runs the kernels on CPU tensors (debugging). Without TRITON_INTERPRET, triton is not
+        # imported here at all: importing it compiled would keep a later TRITON_INTERPRET=1 from taking effect.
+        if not triton_interpret_requested():
+            return (f"the triton backend needs CUDA tensors, q is on {device} (to run its kernels on CPU tensors in "
+                    "Triton's interpreter, set TRITON_INTERPRET=1 before triton is first imported)")
+    elif device.type != "cuda":
         return f"the {backend} backend needs CUDA tensors, q is on {device}"
     if backend == "cuda":
         ext, why = _import("flash_mla._cuda")
@@ -63,7 +76,8 @@ def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
                     "reinstall with nvcc and a CUDA build of PyTorch: pip install --no-build-isolation -e .")
         major, minor = torch.cuda.get_device_capability(device)
         if (major, minor) != (9, 0):
-            return f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is sm_{major}{minor}"
+            return (f"the cuda backend needs a Hopper GPU (sm_90), {torch.cuda.get_device_name(device)} is "
+                    f"sm_{major}{minor}")
         return None
     module, why = _import("flash_mla.triton_backend")
     if module is None:
@@ -77,7 +91,8 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         requested = os.environ.get(ENV_VAR) or None
     if requested is not None:
         if requested not in BACKENDS:
-            raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), got {requested!r}")
+            raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), "
+                             f"got {requested!r}")
         reason = _unavailable_reason(requested, device)
         if reason is not None:
             raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
@@ -88,14 +103,14 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         for candidate in ("cuda", "triton"):
             if _unavailable_reason(candidate, device) is None:
                 return candidate
-        raise RuntimeError(f"flash_mla: no backend can run on {device}: "
-                           f"cuda: {_unavailable_reason('cuda', device)}; triton: {_unavailable_reason('triton', device)}")
+        raise RuntimeError(f"flash_mla: no backend can run on {device}: cuda: {_unavailable_reason('cuda', device)}; "
+                           f"triton: {_unavailable_reason('triton', device)}")
     raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
 
 
 # ---- running a call (arguments already validated); shared by the eager API and the torch.library ops ---------
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def default_num_sms(device: torch.device) -> int:
     """Multiprocessors get_mla_metadata plans for by default: the GPU's count, or 132 (an H100) on the CPU."""
     if device.type == "cuda":
@@ -112,26 +127,35 @@ def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_hea
     if cache_seqlens.is_cuda and ext is not None:
         if num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k) > _validation.MAX_SM_PARTS:
             _validation._Checker("get_mla_metadata").fail(
-                ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // num_heads_k "
-                "// ceil(num_heads_per_head_k / 64))", num_sms)
+                ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // "
+                "num_heads_k // ceil(num_heads_per_head_k / 64))", num_sms)
         return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+    if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+        # the twin reads the lengths on the host: a copy that capture forbids (CUDA's own error would not say why)
+        raise RuntimeError("get_mla_metadata: cannot plan while a CUDA graph is being captured without the CUDA "
+                           "extension (the Python scheduler reads cache_seqlens on the host); build the extension, "
+                           "which plans on the device, or plan before the capture: the classic form "
+                           "get_mla_metadata(cache_seqlens, ...), or a schedule's first call outside the graph")
     return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
 
 
 def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-               softmax_scale: float, causal: bool, backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+               softmax_scale: float, causal: bool, backend: str | None,
+               attn_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode on the selected backend (see `select_backend`); FLASH_MLA_DEBUG=1 checks the values first."""
     if _validation.debug_enabled():
         _validation.check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
     name = select_backend(q.device, backend)
     if name == "cuda":
+        # attn_sink only when given: an extension built before it existed still runs every call without one
+        sink = () if attn_sink is None else (attn_sink,)
         return cuda_extension().mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                           tile_scheduler_metadata, num_splits, softmax_scale, causal)
+                                           tile_scheduler_metadata, num_splits, softmax_scale, causal, *sink)
     if name == "triton":
         from .triton_backend import mla_decode_triton
         return mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                 num_splits, softmax_scale, causal)
+                                 num_splits, softmax_scale, causal, attn_sink)
     from .cpu_backend import mla_decode_cpu
     return mla_decode_cpu(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                          num_splits, softmax_scale, causal)
+                          num_splits, softmax_scale, causal, attn_sink)

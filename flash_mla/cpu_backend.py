@@ -4,16 +4,18 @@ This is the executable specification of the CUDA kernels. Every SM part of the s
 sequence pieces page by page (64 tokens) with an online softmax in float32, exactly like a CTA does; unsplit
 sequences are written straight to `out`/`lse`, split pieces go to a float32 workspace (one slot per piece)
 and a combine step merges them with a log-sum-exp. Results therefore match the reference to float32 rounding
-for any metadata `get_mla_metadata` produces.
+for any metadata `get_mla_metadata` produces. An attention sink scales a row's output where its final result is
+written (the split step for unsplit sequences, the combine step for split ones), as the kernels do.
 """
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-from .scheduler import PAGE_BLOCK_SIZE, pieces_of_part
+from ._geometry import PAGE_BLOCK_SIZE
+from .scheduler import pieces_of_part
 
 LOG2E = math.log2(math.e)
 
@@ -52,6 +54,15 @@ def _partial_attention(q_rows: torch.Tensor, k_cache: torch.Tensor, block_table:
     return out, lse
 
 
+def sink_scale(sink_rows: torch.Tensor, lse_rows: torch.Tensor) -> torch.Tensor:
+    """1 / (1 + exp(sink - lse)) per row (exp2 with log2 units, like the kernels); 1 for rows with lse = -inf,
+    whose output is 0 and stays 0. lse 0 stands in for their -inf inside the formula, so that a -inf sink gives
+    exp(-inf) = 0 there rather than exp(-inf + inf) = NaN."""
+    no_key = torch.isneginf(lse_rows)
+    scale = 1.0 / (1.0 + torch.exp2((sink_rows - torch.where(no_key, 0.0, lse_rows)) * LOG2E))
+    return torch.where(no_key, 1.0, scale)
+
+
 def combine_pieces(o_pieces: torch.Tensor, lse_pieces: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Merge n partial results: lse = logsumexp_k lse_k, out = sum_k exp(lse_k - lse) O_k.
 
@@ -66,7 +77,8 @@ def combine_pieces(o_pieces: torch.Tensor, lse_pieces: torch.Tensor) -> Tuple[to
 
 def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-                   softmax_scale: float, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                   softmax_scale: float, causal: bool,
+                   attn_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decoding on the CPU. Inputs are validated by the caller."""
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
@@ -84,6 +96,8 @@ def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Te
 
     def write_final(seq: int, kv_head: int, o_rows: torch.Tensor, lse_rows: torch.Tensor) -> None:
         heads = slice(kv_head * group, (kv_head + 1) * group)
+        if attn_sink is not None:   # row r is token r // group of head kv_head * group + r % group
+            o_rows = o_rows * sink_scale(attn_sink[heads].float().repeat(s_q), lse_rows)[:, None]
         out[seq, :, heads] = o_rows.reshape(s_q, group, head_dim_v).to(q.dtype)
         lse[seq, heads] = lse_rows.reshape(s_q, group).T
 

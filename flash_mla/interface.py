@@ -1,9 +1,21 @@
-"""Public API: get_mla_metadata (plan) and flash_mla_with_kvcache (run), drop-in compatible with upstream
-FlashMLA's dense decoding API. Validation happens here, before any backend is chosen or any kernel launched.
+"""Public API: get_mla_metadata (plan) and flash_mla_with_kvcache (run), drop-in compatible with the ways serving
+engines call upstream FlashMLA's dense decoding. Validation happens here, before any backend is chosen or any
+kernel launched.
+
+Three call forms (README.md "API"):
+  * classic: ``md, ns = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``, then
+    ``flash_mla_with_kvcache(..., md, ns, ...)`` in every layer;
+  * upstream's current form: ``schedule, _ = get_mla_metadata()`` (no cache_seqlens; other keywords are
+    accepted and ignored), then ``flash_mla_with_kvcache(..., schedule, None, ...)``: the first call plans (on the
+    device with the CUDA extension, without a host sync) and stores the plan in the schedule, later calls reuse
+    it. (Code written for that form that still passes cache_seqlens gets the classic pair back, which it hands
+    on to flash_mla_with_kvcache unchanged, so it works too);
+  * the keyword arguments engines pass (num_heads_q, is_fp8_kvcache, topk, indices, attn_sink, ...): supported
+    values work, unsupported ones raise NotImplementedError naming the argument.
 
 Eager calls go straight to the backend (validation + dispatch cost a few microseconds per call). While
 torch.compile traces a call, it goes through the torch.library ops of flash_mla.ops instead, so a decoding
-step compiles into one graph (fullgraph=True works).
+step compiles into one graph (fullgraph=True works, for the lazy schedule too).
 """
 from __future__ import annotations
 
@@ -13,8 +25,8 @@ import torch
 
 from . import _validation
 from . import ops as _ops
+from ._geometry import DEFAULT_SOFTMAX_SCALE
 from .backends import DEFAULT_CPU_NUM_SMS, default_num_sms, run_decode, run_metadata  # noqa: F401
-
 
 if _ops.AVAILABLE and hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
     _is_compiling = torch.compiler.is_compiling
@@ -23,14 +35,78 @@ else:  # torch < 2.4: no custom ops; torch.compile then traces (or breaks on) th
         return False
 
 
-def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
-                     num_sms: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+class MLASchedule:
+    """The plan of one decoding step in upstream's current calling form, filled in by its first use.
+
+    ``get_mla_metadata()`` returns ``(MLASchedule(), None)``. The first ``flash_mla_with_kvcache(..., schedule,
+    None)`` plans for that call's ``cache_seqlens`` and shapes and stores the result here; every later call with
+    this schedule (the other layers of the step) reuses it, so all of them must pass the same batch: the same
+    lengths and the same batch size, seqlen_q, num_heads_q and num_heads_k (a different shape raises ValueError;
+    different lengths cannot be seen without a host sync, except in debug mode). Take a new schedule for every
+    decoding step.
+
+    Attributes: ``tile_scheduler_metadata`` and ``num_splits`` (None until planned, then the classic form's
+    tensors), ``shape`` (None, then the planning call's (batch_size, seqlen_q, num_heads_q, num_heads_k)) and
+    ``num_sms`` (None: the device's multiprocessor count, as in the classic form).
+    """
+
+    def __init__(self, num_sms: Optional[int] = None):
+        self.num_sms = num_sms
+        self.tile_scheduler_metadata: Optional[torch.Tensor] = None
+        self.num_splits: Optional[torch.Tensor] = None
+        self.shape: Optional[Tuple[int, int, int, int]] = None
+
+    @property
+    def have_initialized(self) -> bool:
+        """Upstream's name for "planned". Setting it to False drops the plan (the next call plans again)."""
+        return self.tile_scheduler_metadata is not None
+
+    @have_initialized.setter
+    def have_initialized(self, value: bool) -> None:
+        if value and self.tile_scheduler_metadata is None:
+            raise ValueError("MLASchedule: have_initialized: expected False (a schedule is planned by its first "
+                             "flash_mla_with_kvcache call, not by setting the flag), got True")
+        if not value:
+            self.tile_scheduler_metadata = self.num_splits = self.shape = None
+
+    def __repr__(self) -> str:
+        if self.tile_scheduler_metadata is None:
+            return "MLASchedule(not planned yet)"
+        b, s_q, h_q, h_kv = self.shape
+        return (f"MLASchedule(batch_size={b}, seqlen_q={s_q}, num_heads_q={h_q}, num_heads_k={h_kv}, "
+                f"num_sm_parts={self.tile_scheduler_metadata.shape[0]})")
+
+
+FlashMLASchedMeta = MLASchedule   # upstream's name for the same object
+
+
+def _not_implemented(fn: str, arg: str, what: str, expected: str, got: object) -> None:
+    raise NotImplementedError(f"{fn}: {arg}: {what} is not supported; expected {expected}, got {got!r}")
+
+
+def _check_unsupported_metadata_keywords(is_fp8_kvcache, topk) -> None:
+    if is_fp8_kvcache:
+        _not_implemented("get_mla_metadata", "is_fp8_kvcache", "an FP8 KV cache", "False", is_fp8_kvcache)
+    if topk is not None:
+        _not_implemented("get_mla_metadata", "topk", "sparse attention (top-k)", "None", topk)
+
+
+def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per_head_k: Optional[int] = None,
+                     num_heads_k: Optional[int] = None, num_heads_q: Optional[int] = None,
+                     is_fp8_kvcache: bool = False, topk: Optional[int] = None, *, num_sms: Optional[int] = None,
+                     **kwargs):
     """Plan one decoding step: split the batch's KV caches into balanced pieces, one list per SM part.
+
+    Classic form, ``get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k)``:
 
     Args:
         cache_seqlens: (batch_size,) int32, tokens in each sequence's cache (new tokens included); 0 is legal.
-        num_heads_per_head_k: query rows sharing one KV head, seqlen_q * num_heads_q // num_heads_k.
+        num_heads_per_head_k: query rows sharing one KV head, seqlen_q * num_heads_q // num_heads_k (upstream's
+            later name ``num_q_tokens_per_head_k`` is accepted as a keyword too).
         num_heads_k: number of KV heads (1 for DeepSeek MLA).
+        num_heads_q: optional, the number of query heads (upstream passes it; checked, not needed).
+        is_fp8_kvcache, topk: FP8 caches and sparse attention are not supported: True / not None raise
+            NotImplementedError.
         num_sms: multiprocessors to plan for; default: the GPU's count, or 132 (an H100) for CPU tensors.
 
     Returns:
@@ -39,10 +115,33 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
         num_splits: (batch_size + 1,) int32, prefix sums of the pieces each sequence was cut into.
     Both live on cache_seqlens' device. On a GPU with the CUDA extension they are computed on the device,
     with no host synchronisation (CUDA-graph safe).
+
+    Upstream's current form, ``get_mla_metadata()`` (no cache_seqlens; other keywords are accepted and ignored,
+    except that is_fp8_kvcache and topk are checked and num_sms is kept): returns ``(MLASchedule(), None)``,
+    a schedule the first flash_mla_with_kvcache call fills in (see MLASchedule).
     """
+    _check_unsupported_metadata_keywords(is_fp8_kvcache, topk)
+    if cache_seqlens is None:
+        if num_sms is not None:
+            _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
+        return MLASchedule(num_sms), None
+    if "num_q_tokens_per_head_k" in kwargs:
+        if num_heads_per_head_k is not None:
+            raise TypeError("get_mla_metadata: got both num_heads_per_head_k and num_q_tokens_per_head_k "
+                            "(two names of the same argument)")
+        num_heads_per_head_k = kwargs.pop("num_q_tokens_per_head_k")
+    if kwargs:
+        raise TypeError(f"get_mla_metadata: unexpected keyword argument(s) {sorted(kwargs)}")
+    if num_heads_per_head_k is None or num_heads_k is None:
+        missing = [n for n, v in (("num_heads_per_head_k", num_heads_per_head_k), ("num_heads_k", num_heads_k))
+                   if v is None]
+        raise TypeError(f"get_mla_metadata: with cache_seqlens, expected num_heads_per_head_k and num_heads_k too; "
+                        f"missing {', '.join(missing)} (call get_mla_metadata() with no cache_seqlens for a lazy "
+                        "schedule)")
     if _is_compiling():
+        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q)
         return _ops.metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
-    _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k)
+    _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q)
     if num_sms is None:
         num_sms = default_num_sms(cache_seqlens.device)
     else:
@@ -50,9 +149,41 @@ def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num
     return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
 
 
+def _plan(schedule: MLASchedule, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+          attn_sink) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The plan of a lazy schedule: made (and stored) by its first call, checked against the shapes of later ones."""
+    if schedule.tile_scheduler_metadata is None:
+        # every argument but the plan, with the classic form's messages, before planning from their shapes
+        _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, None, None,
+                                      softmax_scale, causal, attn_sink=attn_sink, pointers=not _is_compiling(),
+                                      planned_here=True)
+        b, s_q, h_q, _ = q.shape
+        h_kv = k_cache.shape[2]
+        md, ns = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv, num_sms=schedule.num_sms)
+        schedule.tile_scheduler_metadata, schedule.num_splits = md, ns
+        schedule.shape = (b, s_q, h_q, h_kv)
+    elif isinstance(q, torch.Tensor) and isinstance(k_cache, torch.Tensor) and q.dim() == 4 and k_cache.dim() == 4:
+        b, s_q, h_q, _ = q.shape
+        shape = (b, s_q, h_q, k_cache.shape[2])
+        if shape != schedule.shape:
+            names = ("batch_size", "seqlen_q", "num_heads_q", "num_heads_k")
+            planned = ", ".join(f"{n}={v}" for n, v in zip(names, schedule.shape))
+            given = ", ".join(f"{n}={v}" for n, v in zip(names, shape))
+            raise ValueError(f"flash_mla_with_kvcache: tile_scheduler_metadata: expected the shapes the schedule was "
+                             f"planned for on its first call ({planned}), got {given}; a schedule from "
+                             "get_mla_metadata() serves one batch (one decoding step): take a new one")
+    # (malformed q or k_cache on a later call: the classic checks below name them)
+    return schedule.tile_scheduler_metadata, schedule.num_splits
+
+
 def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
-                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
-                           num_splits: torch.Tensor, softmax_scale: Optional[float] = None, causal: bool = False,
+                           cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata,
+                           num_splits: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                           causal: bool = False, is_fp8_kvcache: bool = False, indices: Optional[torch.Tensor] = None,
+                           attn_sink: Optional[torch.Tensor] = None, extra_k_cache: Optional[torch.Tensor] = None,
+                           extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+                           topk_length: Optional[torch.Tensor] = None,
+                           extra_topk_length: Optional[torch.Tensor] = None, *,
                            backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA decoding attention over a paged KV cache.
 
@@ -63,23 +194,47 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
             a sequence's pages are never read (may be -1).
         cache_seqlens: (batch_size,) int32, tokens in each cache; 0 gives out 0 and lse -inf.
         head_dim_v: 512.
-        tile_scheduler_metadata, num_splits: from get_mla_metadata on the same cache_seqlens.
+        tile_scheduler_metadata, num_splits: from get_mla_metadata on the same cache_seqlens (classic form), or
+            the schedule from get_mla_metadata() and None (upstream's current form, planned by the first call).
         softmax_scale: default 576 ** -0.5.
         causal: query token i of a sequence of length L sees keys [0, L - seqlen_q + i]; otherwise all L keys.
-        backend: force "cuda", "triton" or "cpu" (default: environment variable FLASH_MLA_BACKEND, else automatic).
+        is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length:
+            upstream's FP8 and sparse-attention arguments; only their defaults (False, None) are supported, other
+            values raise NotImplementedError.
+        attn_sink: optional (num_heads_q,) float32 on q's device, one attention-sink logit per query head: each
+            row's out is scaled by 1 / (1 + exp(attn_sink[head] - lse)); lse is returned unchanged. Rows that see
+            no key keep out 0 (lse -inf); a sink of +inf gives out 0, -inf leaves out as without a sink.
+        backend: keyword only; force "cuda", "triton" or "cpu" (default: environment variable FLASH_MLA_BACKEND,
+            else automatic). "triton" runs CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 was set
+            before triton was imported.
 
     Returns:
         out: (batch_size, seqlen_q, num_heads_q, head_dim_v), dtype of q.
-        softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, natural log of the softmax denominator.
+        softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, natural log of the softmax denominator
+            (-inf for rows that see no key; upstream's current release returns +inf there).
 
     No host synchronisation (CUDA-graph safe). With FLASH_MLA_DEBUG=1 the call first checks the tensors' values
     (lengths, block-table entries, metadata, finite q), which does synchronise; see docs/HARDENING.md.
     """
+    fn = "flash_mla_with_kvcache"
+    if is_fp8_kvcache:
+        _not_implemented(fn, "is_fp8_kvcache", "an FP8 KV cache", "False", is_fp8_kvcache)
+    for arg, value in (("indices", indices), ("extra_k_cache", extra_k_cache),
+                       ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
+                       ("extra_topk_length", extra_topk_length)):
+        if value is not None:
+            _not_implemented(fn, arg, "sparse attention", "None", type(value).__name__)
+    if isinstance(tile_scheduler_metadata, MLASchedule):
+        if num_splits is not None:
+            raise TypeError(f"{fn}: num_splits: expected None with a schedule from get_mla_metadata(), got "
+                            f"{type(num_splits).__name__}")
+        tile_scheduler_metadata, num_splits = _plan(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens,
+                                                    head_dim_v, softmax_scale, causal, attn_sink)
     if _is_compiling():
         return _ops.decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                       num_splits, softmax_scale, causal, backend)
+                                       num_splits, softmax_scale, causal, backend, attn_sink)
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal)
-    softmax_scale = _validation.DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+                                  num_splits, softmax_scale, causal, attn_sink=attn_sink)
+    softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale, causal, backend)
+                      softmax_scale, causal, backend, attn_sink)

@@ -3,11 +3,14 @@
     torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
         -> (tile_scheduler_metadata, num_splits)          num_sms = 0: the device's multiprocessor count
     torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                   num_splits, softmax_scale, causal, backend=None) -> (out, softmax_lse)
+                                   num_splits, softmax_scale, causal, backend=None, attn_sink=None)
+        -> (out, softmax_lse)
 
 `flash_mla.get_mla_metadata` and `flash_mla.flash_mla_with_kvcache` call these ops only while torch.compile
 traces them (`torch.compiler.is_compiling()`); in eager mode they call the backend directly, which skips the
-dispatcher's per-call cost. Calling the ops directly works in eager mode too.
+dispatcher's per-call cost. Calling the ops directly works in eager mode too. The lazy schedule of upstream's
+current form (interface.MLASchedule) is plain Python state: under torch.compile its first use traces the
+metadata op and stores the traced tensors in it, so the ops never see it.
 
 The fake (meta) implementations give the output shapes without running anything:
   * metadata: (num_sm_parts, 8) and (b + 1,) int32, num_sm_parts = scheduler.num_sm_parts_for(num_sms, ...),
@@ -23,8 +26,9 @@ from typing import Optional
 import torch
 
 from . import _validation
+from ._geometry import DEFAULT_SOFTMAX_SCALE, METADATA_WIDTH
 from .backends import default_num_sms, run_decode, run_metadata
-from .scheduler import METADATA_WIDTH, num_sm_parts_for
+from .scheduler import num_sm_parts_for
 
 AVAILABLE = hasattr(torch.library, "custom_op")   # torch >= 2.4
 
@@ -55,18 +59,20 @@ if AVAILABLE:
     def mla_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
                    softmax_scale: float, causal: bool,
-                   backend: Optional[str] = None,  # noqa: UP045  (torch.library evaluates it, also on Python 3.9)
+                   # Optional[...]: torch.library evaluates these annotations, also on Python 3.9
+                   backend: Optional[str] = None,
+                   attn_sink: Optional[torch.Tensor] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                      num_splits, softmax_scale, causal)
+                                      num_splits, softmax_scale, causal, attn_sink=attn_sink)
         return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                          softmax_scale, causal, backend)
+                          softmax_scale, causal, backend, attn_sink)
 
     @mla_decode.register_fake
     def _mla_decode_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal, backend=None):
+                         softmax_scale, causal, backend=None, attn_sink=None):
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                      num_splits, softmax_scale, causal, pointers=False)
+                                      num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False)
         b, s_q, h_q, _ = q.shape
         return q.new_empty((b, s_q, h_q, head_dim_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
@@ -82,11 +88,11 @@ def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_s
 
 
 def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal, backend):
+                       softmax_scale, causal, backend, attn_sink=None):
     """flash_mla_with_kvcache while torch.compile traces: validate shapes, dtypes, devices and strides (traced),
     then call the op (whose real implementation checks pointer alignment and, in debug mode, the values)."""
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal, pointers=False)
-    scale = _validation.DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+                                  num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False)
+    scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                          tile_scheduler_metadata, num_splits, scale, causal, backend)
+                                          tile_scheduler_metadata, num_splits, scale, causal, backend, attn_sink)

@@ -2,7 +2,9 @@
 
 Semantics (SPEC.md): query token i of a sequence of length L sees keys [0, L - s_q + i] when causal, all L
 keys otherwise; a row that sees no key gives out = 0 and lse = -inf. lse is the natural log of
-sum_j exp(scale * q . k_j). Slow and obvious on purpose: every backend is checked against it.
+sum_j exp(scale * q . k_j). With an attention sink s_h per query head, out is scaled by 1 / (1 + exp(s_h - lse))
+(the sink is one more logit in the softmax's denominator, with a zero value vector); lse is unchanged and rows
+that see no key keep out = 0. Slow and obvious on purpose: every backend is checked against it.
 """
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ def visible_keys(length: int, s_q: int, causal: bool) -> torch.Tensor:
 
 def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                          cache_seqlens: torch.Tensor, head_dim_v: int, softmax_scale: Optional[float] = None,
-                         causal: bool = False, dtype: torch.dtype = torch.float32) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Reference attention. Returns out (b, s_q, h_q, head_dim_v) and lse (b, h_q, s_q), both in `dtype`."""
+                         causal: bool = False, dtype: torch.dtype = torch.float32,
+                         attn_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Reference attention. Returns out (b, s_q, h_q, head_dim_v) and lse (b, h_q, s_q), both in `dtype`.
+    attn_sink: optional (h_q,) sink logits, one per query head."""
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     if softmax_scale is None:
@@ -59,4 +63,10 @@ def mla_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, block_table: to
             o = torch.einsum("sgl,lv->sgv", probs, k[:, :head_dim_v])
             out[seq, :, kvh * group:(kvh + 1) * group] = torch.where(seen[..., None], o, 0.0)
             lse[seq, kvh * group:(kvh + 1) * group] = row_lse.transpose(0, 1)
+    if attn_sink is not None:
+        sink = attn_sink.to(device=q.device, dtype=dtype)[None, :, None]                  # (1, h_q, 1)
+        # the softmax over [keys..., sink]: the keys' weights shrink by sum / (sum + exp(sink)); rows that see no
+        # key have out 0 already (and lse -inf, where the formula is undefined for a -inf sink)
+        scale = torch.where(torch.isneginf(lse), 1.0, 1.0 / (1.0 + torch.exp(sink - lse)))   # (b, h_q, s_q)
+        out = out * scale.transpose(1, 2)[..., None]
     return out, lse

@@ -14,10 +14,7 @@ from typing import List, Sequence, Tuple
 import torch
 
 # PAGE_BLOCK_SIZE: tokens per KV-cache page, the scheduler's unit of work
-from ._validation import METADATA_WIDTH, PAGE_BLOCK_SIZE
-
-FIXED_OVERHEAD = 5            # block-equivalents charged per sequence piece
-ROWS_PER_TILE = 64            # query rows one CTA processes (the WGMMA M dimension)
+from ._geometry import FIXED_OVERHEAD, METADATA_WIDTH, PAGE_BLOCK_SIZE, ROWS_PER_TILE
 
 # Column indices of one tile_scheduler_metadata row.
 BEGIN_SEQ, BEGIN_TOKEN, END_SEQ, END_TOKEN, BEGIN_SPLIT = range(5)

@@ -9,9 +9,8 @@ from typing import Callable, Dict, Optional, Sequence
 
 import torch
 
+from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE
 from .reference import mla_decode_reference
-
-from ._validation import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE  # noqa: F401  (re-exported for tests)
 
 
 @dataclass
@@ -62,6 +61,16 @@ def make_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv:
                        causal=causal)
 
 
+def make_attn_sink(h_q: int, generator: Optional[torch.Generator] = None, device="cpu") -> torch.Tensor:
+    """(h_q,) float32 sink logits for tests: values around the lse of rows with tens to hundreds of keys (where
+    the sink changes the output the most), plus the edge cases in heads 0-3: +inf (out 0), -inf (no effect),
+    60 (out scaled by ~e^-55, i.e. nearly 0 but not quite), 0."""
+    sink = torch.randn(h_q, generator=generator) * 2 + 4
+    edges = torch.tensor([math.inf, -math.inf, 60.0, 0.0])[:h_q]
+    sink[:len(edges)] = edges
+    return sink.to(device)
+
+
 def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
                    generator: Optional[torch.Generator] = None) -> list:
     """Upstream's benchmark lengths: all `mean`, or ~N(mean, mean/2) clipped to at least s_q."""
@@ -71,18 +80,20 @@ def random_seqlens(b: int, mean: int, s_q: int = 1, varlen: bool = True,
     return [max(int(x), s_q) for x in lens.tolist()]
 
 
-def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None, on_device: bool = False):
+def reference_for(batch: DecodeBatch, softmax_scale: Optional[float] = None, on_device: bool = False,
+                  attn_sink: Optional[torch.Tensor] = None):
     """float32 reference (out, lse): on the CPU, or on the batch's device (TF32 off) for large GPU batches."""
     if on_device:
         tf32 = torch.backends.cuda.matmul.allow_tf32
         torch.backends.cuda.matmul.allow_tf32 = False
         try:
             return mla_decode_reference(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens.cpu(),
-                                        HEAD_DIM_V, softmax_scale, batch.causal)
+                                        HEAD_DIM_V, softmax_scale, batch.causal, attn_sink=attn_sink)
         finally:
             torch.backends.cuda.matmul.allow_tf32 = tf32
     return mla_decode_reference(batch.q.cpu(), batch.k_cache.cpu(), batch.block_table.cpu(),
-                                batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal)
+                                batch.cache_seqlens.cpu(), HEAD_DIM_V, softmax_scale, batch.causal,
+                                attn_sink=None if attn_sink is None else attn_sink.cpu())
 
 
 def poison_cuda_allocator(nbytes: int, device="cuda") -> None:
@@ -99,7 +110,7 @@ def compare(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse
     ref_out, ref_lse = ref_out.float().cpu(), ref_lse.float().cpu()
     finite = torch.isfinite(ref_lse)
     eps = 1e-12
-    d_out = out.double().flatten(); r_out = ref_out.double().flatten()
+    d_out, r_out = out.double().flatten(), ref_out.double().flatten()
     cos = (d_out @ r_out) / (d_out.norm() * r_out.norm()).clamp_min(eps)
     lse_err = ((lse[finite] - ref_lse[finite]).norm() / ref_lse[finite].norm().clamp_min(eps)).item() \
         if finite.any() else 0.0

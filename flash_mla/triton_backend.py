@@ -11,6 +11,9 @@ The algorithm is the one flash_mla/cpu_backend.py spells out, on the scheduler's
    its normalised float32 partial output and lse to workspace slot num_splits[seq] + split_idx.
 2. Combine kernel, grid (sequence, KV head, row tile): for sequences with more than one piece,
    lse = logsumexp_k lse_k and out = sum_k exp(lse_k - lse) * O_k; rows no piece saw keep out 0, lse -inf.
+With an attention sink (attn_sink, one logit per query head), the kernel that writes a row's final result (the
+split kernel for an unsplit sequence, the combine kernel for a split one) scales it by 1 / (1 + exp(sink - lse))
+before the store: no extra pass over `out`. lse is stored unchanged.
 
 Nothing here synchronises with the host (the workspace is sized by the bound b + num_sm_parts on the slot
 count, not by reading num_splits), so a call can be captured in a CUDA graph; kernels run on the current
@@ -25,7 +28,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .scheduler import METADATA_WIDTH, PAGE_BLOCK_SIZE
+from ._geometry import METADATA_WIDTH, PAGE_BLOCK_SIZE
 
 try:
     import triton
@@ -70,6 +73,17 @@ def unavailable_reason(device: torch.device) -> Optional[str]:
     if _TRITON_IMPORT_ERROR is not None:
         return f"triton is not importable ({_TRITON_IMPORT_ERROR}); install it with `pip install triton`"
     device = torch.device(device)
+    if device.type == "cpu":
+        if not _interpreted():
+            return (f"the triton backend needs CUDA tensors, got tensors on {device} (Triton's interpreter runs "
+                    "the kernels on CPU tensors only when TRITON_INTERPRET=1 is set before triton is first "
+                    "imported; in this process flash_mla.triton_backend was imported without it)")
+        if not _triton_helpers_interpreted():
+            return (f"the triton backend cannot run tensors on {device}: TRITON_INTERPRET=1 was set after triton "
+                    "was imported, so triton.language's own helpers (tl.sum, tl.max, ...) were compiled for a GPU "
+                    "while flash_mla's kernels are interpreted; set TRITON_INTERPRET=1 before the first import of "
+                    "triton (e.g. in the environment of the process)")
+        return None
     if device.type != "cuda":
         return f"the triton backend needs CUDA tensors, got tensors on {device}"
     if not torch.cuda.is_available():
@@ -92,6 +106,17 @@ def _interpreted() -> bool:
     return type(_split_kv_kernel).__name__ == "InterpretedFunction"
 
 
+def _triton_helpers_interpreted() -> bool:
+    """True when triton.language's jitted helpers were decorated in interpreter mode too. Triton decides at
+    decoration time, so setting TRITON_INTERPRET=1 between `import triton` and this module's import leaves the
+    helpers compiled and the kernels interpreted, which fails inside the first kernel with an obscure error."""
+    standard = getattr(tl, "standard", None)
+    helper = getattr(standard, "sum", None)
+    if helper is None:   # a Triton without this layout: nothing to compare, let the kernels run
+        return True
+    return type(helper).__name__ == "InterpretedFunction"
+
+
 def _row_block(rows: int) -> int:
     """Query rows per split-kernel program (see MIN_BLOCK_M / MAX_BLOCK_M)."""
     return min(MAX_BLOCK_M, max(MIN_BLOCK_M, triton.next_power_of_2(rows)))
@@ -101,9 +126,19 @@ if triton is not None:
     _LOG2E = tl.constexpr(LOG2E)   # for use inside kernels
 
     @triton.jit
+    def _sink_scale(sink_ptr, head, row_ok, lse):
+        """1 / (1 + exp(attn_sink[head] - lse)) per row; 1 for rows that saw no key (lse -inf: their out is 0
+        and stays 0, and a -inf sink would otherwise give exp(nan))."""
+        sink = tl.load(sink_ptr + head, mask=row_ok, other=0.0)
+        no_key = lse == float("-inf")
+        # lse 0 stands in for -inf so that a -inf sink gives exp(-inf) = 0 rather than exp(-inf + inf) = NaN
+        scale = 1.0 / (1.0 + tl.exp2((sink - tl.where(no_key, 0.0, lse)) * _LOG2E))
+        return tl.where(no_key, 1.0, scale)
+
+    @triton.jit
     def _split_kv_kernel(
         q_ptr, k_ptr, block_table_ptr, seqlens_ptr, metadata_ptr, num_splits_ptr,
-        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr,
+        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, sink_ptr,
         stride_q_b, stride_q_s, stride_q_h,
         stride_k_block, stride_k_pos, stride_k_h,
         stride_bt_b,
@@ -114,6 +149,7 @@ if triton is not None:
         s_q, group, rows, scale_log2,
         CAUSAL: tl.constexpr, D_V: tl.constexpr, D_ROPE: tl.constexpr, PAGE: tl.constexpr,
         META_WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        HAS_SINK: tl.constexpr,
     ):
         row_tile = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -201,6 +237,8 @@ if triton is not None:
             lse = tl.where(seen, (row_max + tl.log2(safe_sum)) / _LOG2E, float("-inf"))
 
             if num_pieces == 1:
+                if HAS_SINK:   # the row's final result: apply the sink here (split rows: in the combine)
+                    o = o * _sink_scale(sink_ptr, head, row_ok, lse)[:, None]
                 out_row_ptr = out_ptr + seq64 * stride_o_b + q_token * stride_o_s + head * stride_o_h
                 tl.store(out_row_ptr[:, None] + cols_v[None, :], o.to(out_ptr.dtype.element_ty),
                          mask=row_ok[:, None])
@@ -214,13 +252,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, num_splits_ptr,
+        out_ptr, lse_ptr, o_ws_ptr, lse_ws_ptr, num_splits_ptr, sink_ptr,
         stride_o_b, stride_o_s, stride_o_h,
         stride_lse_b, stride_lse_h, stride_lse_s,
         stride_ws_slot, stride_ws_h, stride_ws_row,
         stride_lws_slot, stride_lws_h,
         group, rows,
-        D_V: tl.constexpr, BLOCK_M: tl.constexpr,
+        D_V: tl.constexpr, BLOCK_M: tl.constexpr, HAS_SINK: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -261,6 +299,8 @@ if triton is not None:
             lse = tl.where(seen, base + tl.log(safe_sum), float("-inf"))
             q_token = r // group
             head = kv_head * group + r % group
+            if HAS_SINK:
+                o = o * _sink_scale(sink_ptr, head, row_ok, lse)[:, None]
             out_row_ptr = out_ptr + seq64 * stride_o_b + q_token * stride_o_s + head * stride_o_h
             tl.store(out_row_ptr[:, None] + cols_v[None, :], o.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
             tl.store(lse_ptr + seq64 * stride_lse_b + head * stride_lse_h + q_token * stride_lse_s, lse, mask=row_ok)
@@ -268,8 +308,8 @@ if triton is not None:
 
 def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
                       cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata: torch.Tensor,
-                      num_splits: torch.Tensor, softmax_scale: float,
-                      causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+                      num_splits: torch.Tensor, softmax_scale: float, causal: bool,
+                      attn_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split-KV MLA decoding with the Triton kernels. Arguments are validated by the caller
     (flash_mla_with_kvcache); CPU tensors work under TRITON_INTERPRET=1 (tests)."""
     if triton is None:
@@ -290,10 +330,13 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
     o_ws = torch.empty(num_slots, h_kv, rows, head_dim_v, dtype=torch.float32, device=device)
     lse_ws = torch.empty(num_slots, h_kv, rows, dtype=torch.float32, device=device)
 
+    # without a sink the kernels never read sink_ptr (HAS_SINK is a compile-time constant): pass any float32 tensor
+    sink = lse if attn_sink is None else attn_sink.contiguous()
+
     block_m = _row_block(rows)
     _split_kv_kernel[(triton.cdiv(rows, block_m), h_kv, num_parts)](
         q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-        out, lse, o_ws, lse_ws,
+        out, lse, o_ws, lse_ws, sink,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
@@ -304,16 +347,17 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
         s_q, group, rows, softmax_scale * LOG2E,
         CAUSAL=bool(causal), D_V=head_dim_v, D_ROPE=d_rope, PAGE=PAGE_BLOCK_SIZE, META_WIDTH=METADATA_WIDTH,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, DOT_F32=_interpreted() and q.dtype == torch.bfloat16,
+        HAS_SINK=attn_sink is not None,
         num_warps=SPLIT_NUM_WARPS[block_m], num_stages=SPLIT_NUM_STAGES,
     )
     _combine_kernel[(b, h_kv, triton.cdiv(rows, COMBINE_BLOCK_M))](
-        out, lse, o_ws, lse_ws, num_splits,
+        out, lse, o_ws, lse_ws, num_splits, sink,
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
         group, rows,
-        D_V=head_dim_v, BLOCK_M=COMBINE_BLOCK_M,
+        D_V=head_dim_v, BLOCK_M=COMBINE_BLOCK_M, HAS_SINK=attn_sink is not None,
         num_warps=COMBINE_NUM_WARPS,
     )
     return out, lse

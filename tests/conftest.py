@@ -3,8 +3,11 @@
 * A source checkout that was not pip-installed is put on sys.path; an installed flash_mla (which may carry the
   compiled CUDA extension) is left alone.
 * `one_torch_thread`: an opt-in fixture for modules that run the CPU backend.
+* `nan_empty`: torch.empty hands out NaN-filled floating tensors, so an output element a backend forgets to
+  write shows up as NaN.
 """
 import importlib.util
+import math
 import os
 import sys
 
@@ -23,3 +26,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """While active, every floating-point tensor from torch.empty starts as NaN (on any device): outputs and
+    workspaces the backends allocate are poisoned, so an element that is read before it is written, or never
+    written, is caught."""
+    real_empty = torch.empty
+
+    def poisoned(*size, **kwargs):
+        t = real_empty(*size, **kwargs)
+        return t.fill_(math.nan) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    yield
+    monkeypatch.setattr(torch, "empty", real_empty)

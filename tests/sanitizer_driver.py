@@ -9,6 +9,8 @@ many pieces and the combine kernel runs. Pages are laid out in order with no spa
 the last sequence ends exactly at the end of the cache allocation (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1:
 every tensor is then its own cudaMalloc, and any read past a tensor is outside an allocation).
 `small`: b = 2, L ~ 200, h_q in {16, 128}, s_q in {1, 2}: cheap enough for racecheck.
+Both include cases with an attention sink (attn_sink), applied in the split kernel's epilogue for whole sequences
+and in the combine kernel for cut ones.
 
 Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool).
 Prints one line per case and "DRIVER OK" at the end; exit status 1 on a wrong result, 2 without a GPU.
@@ -28,14 +30,9 @@ GARBAGE = (-1, 2 ** 31 - 1, -(2 ** 31), 77777)
 
 
 def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, num_sms=None, seed=0,
-             dtype=torch.bfloat16):
+             dtype=torch.bfloat16, sink=False):
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-    from flash_mla.testing import (
-        assert_close,
-        compare,
-        make_decode_batch,
-        reference_for,
-    )
+    from flash_mla.testing import assert_close, compare, make_attn_sink, make_decode_batch, reference_for
 
     batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, device="cuda", causal=causal,
                               generator=torch.Generator().manual_seed(seed), shuffle_pages=False,
@@ -44,11 +41,12 @@ def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, nu
     if pad_garbage is not None:
         batch.block_table[padding] = pad_garbage
         batch.q[padding] = math.nan
+    attn_sink = make_attn_sink(h_q, torch.Generator().manual_seed(seed), device="cuda") if sink else None
     md, ns = get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1, num_sms=num_sms)
     out, lse = flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns,
-                                      causal=causal, backend=backend)
+                                      causal=causal, attn_sink=attn_sink, backend=backend)
     torch.cuda.synchronize()
-    metrics = compare(out, lse, *reference_for(batch))
+    metrics = compare(out, lse, *reference_for(batch, attn_sink=attn_sink))
     assert_close(metrics, dtype, name)
     padding = padding.cpu()
     out, lse = out.cpu(), lse.cpu()
@@ -78,6 +76,9 @@ def padded_cases(backend):
                seed=10)
     yield case(f"{backend} all padding", [0] * 5, 1, 16, pad_garbage=-1, seed=11)
     yield case(f"{backend} last page ends the cache", [64, 130, 64 * 7], 1, 64, seed=12)
+    yield case(f"{backend} padded + attn_sink s_q=2 h_q=64", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 2, 64,
+               pad_garbage=-1, sink=True, seed=13)
+    yield case(f"{backend} ragged + attn_sink, 8-SM plan", ragged, 2, 32, num_sms=8, sink=True, seed=14)
 
 
 def small_cases(backend):
@@ -85,6 +86,9 @@ def small_cases(backend):
         for h_q in (16, 128):
             yield case(f"{backend} small b=2 s_q={s_q} h_q={h_q}", [200, 137], s_q, h_q, seed=s_q * 1000 + h_q)
     yield case(f"{backend} small, 1-SM plan (whole sequences)", [200, 137], 2, 16, num_sms=1)
+    yield case(f"{backend} small + attn_sink (cut sequences: combine)", [200, 137], 2, 64, sink=True, seed=5)
+    yield case(f"{backend} small + attn_sink, 1-SM plan (whole: split epilogue)", [200, 137], 2, 64, num_sms=1,
+               sink=True, seed=6)
 
 
 def main() -> int:
@@ -93,7 +97,8 @@ def main() -> int:
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
     parser.add_argument("--pipelines", default="default",
                         help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
-                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; "default": the built-in schedule)")
+                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; 'default': the "
+                             "built-in schedule)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")

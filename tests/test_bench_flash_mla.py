@@ -264,10 +264,13 @@ def test_smoke_run_writes_csv_and_plots(tmp_path):
     cmd = [sys.executable, os.path.join(BENCH_DIR, "bench_flash_mla.py"), "--device", "cpu", "--smoke", "--quick",
            "--workloads", ",".join(bench.GROUPS), "--backends", "cpu,torch,triton", "--budget-s", "0.02",
            "--out-dir", str(out_dir)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # without TRITON_INTERPRET the triton backend cannot run CPU tensors: skipped, saying how it could run
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "backend triton: skipped" in proc.stdout
+    skip_line = next((line for line in proc.stdout.splitlines() if "backend triton: skipped" in line), None)
+    assert skip_line is not None and "CUDA tensors" in skip_line and "TRITON_INTERPRET=1" in skip_line, proc.stdout
     assert "total elapsed" in proc.stdout and "ceilings: copy" in proc.stdout
     with open(out_dir / "bench_flash_mla.csv") as f:
         rows = list(csv.DictReader(f))
@@ -285,3 +288,18 @@ def test_smoke_run_writes_csv_and_plots(tmp_path):
         again = tmp_path / "again"
         assert bench.main(["--plot-from", str(out_dir / "bench_flash_mla.csv"), "--out-dir", str(again)]) == 0
         assert (again / "gbps_vs_context.png").exists() and (again / "tflops_vs_rows.png").exists()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_smoke_run_with_the_triton_interpreter(tmp_path):
+    """TRITON_INTERPRET=1: the triton backend runs (interpreted) on the CPU, is checked against the reference, and
+    the run says that its times are the interpreter's."""
+    cmd = [sys.executable, os.path.join(BENCH_DIR, "bench_flash_mla.py"), "--device", "cpu", "--smoke", "--quick",
+           "--workloads", "short", "--backends", "triton", "--budget-s", "0.02", "--out-dir", str(tmp_path)]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1")
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "backend triton: skipped" not in proc.stdout and "Triton's interpreter" in proc.stdout
+    with open(tmp_path / "bench_flash_mla.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert rows and all(r["backend"] == "triton" and r["status"] == "OK" for r in rows), rows

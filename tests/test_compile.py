@@ -23,7 +23,8 @@ sys.path.insert(0, str(ROOT))
 
 def _nvcc():
     cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    return shutil.which("nvcc") or (str(Path(cuda_home) / "bin" / "nvcc") if (Path(cuda_home) / "bin" / "nvcc").exists() else None)
+    candidate = Path(cuda_home) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
 
 
 NVCC = _nvcc()
@@ -90,11 +91,12 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
     """Both instantiations (bf16, fp16) of the split-KV and of the combine kernel."""
     expected = 2
     found = 0
-    for cu, proc in compiled:
+    for _, proc in compiled:
         for name, regs, stores, loads in parse_ptxas(proc.stderr):
             if kernel in name:
                 found += 1
-                assert stores == 0 and loads == 0, f"{name}: {stores} B spill stores, {loads} B spill loads ({regs} registers)"
+                assert stores == 0 and loads == 0, (f"{name}: {stores} B spill stores, {loads} B spill loads "
+                                                    f"({regs} registers)")
     assert found == expected, f"expected {expected} {kernel} instantiations in the ptxas report, found {found}"
 
 

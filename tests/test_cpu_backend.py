@@ -24,7 +24,7 @@ def _automatic_backend(monkeypatch):
 
 
 def run(batch, num_sms=None, softmax_scale=None):
-    b, s_q, h_q, h_kv = (batch.shape[k] for k in ("b", "s_q", "h_q", "h_kv"))
+    _, s_q, h_q, h_kv = (batch.shape[k] for k in ("b", "s_q", "h_q", "h_kv"))
     md, ns = get_mla_metadata(batch.cache_seqlens, s_q * h_q // h_kv, h_kv, num_sms=num_sms)
     out, lse = flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512,
                                       md, ns, softmax_scale=softmax_scale, causal=batch.causal)
@@ -77,7 +77,7 @@ def test_random_lengths(seed):
     lens = torch.randint(0, 2500, (6,), generator=g).tolist()
     s_q = seed + 1
     batch = make_decode_batch(lens, s_q=s_q, h_q=16, h_kv=1, causal=bool(seed % 2), generator=g)
-    out, lse, ns = run(batch, num_sms=[132, 20, 5][seed])
+    out, lse, _ = run(batch, num_sms=[132, 20, 5][seed])
     assert_close(compare(out, lse, *reference_for(batch)), torch.bfloat16, f"lens={lens}")
 
 
@@ -267,18 +267,18 @@ def test_combine_all_rows_without_keys():
 def test_combine_single_piece_is_identity():
     g = torch.Generator().manual_seed(1)
     o = torch.randn(1, 4, 8, generator=g)
-    l = torch.randn(1, 4, generator=g)
-    out, lse = combine_pieces(o, l)
+    lse_in = torch.randn(1, 4, generator=g)
+    out, lse = combine_pieces(o, lse_in)
     torch.testing.assert_close(out, o[0])
-    torch.testing.assert_close(lse, l[0])
+    torch.testing.assert_close(lse, lse_in[0])
 
 
 def test_combine_large_lse_does_not_overflow():
     """lse values of long sequences at large scales are far beyond exp's float32 range."""
     f64 = torch.float64   # exp(1000) overflows float64 too; float64 keeps the expected values exact
     o = torch.stack([torch.full((2, 4), 1.0, dtype=f64), torch.full((2, 4), 3.0, dtype=f64)])
-    l = torch.tensor([[1000.0, -1000.0], [1000.0 + math.log(3.0), -1000.0]], dtype=f64)
-    out, lse = combine_pieces(o, l)
+    lse_in = torch.tensor([[1000.0, -1000.0], [1000.0 + math.log(3.0), -1000.0]], dtype=f64)
+    out, lse = combine_pieces(o, lse_in)
     torch.testing.assert_close(lse, torch.tensor([1000.0 + math.log(4.0), -1000.0 + math.log(2.0)], dtype=f64))
     torch.testing.assert_close(out, torch.tensor([[2.5] * 4, [2.0] * 4], dtype=f64))
 

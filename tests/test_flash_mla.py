@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-import flash_mla  # noqa: E402
-from flash_mla.backends import cuda_extension  # noqa: E402
-from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
-from flash_mla.testing import (assert_close, compare, cuda_median_seconds, decode_flops_and_bytes,  # noqa: E402
+import flash_mla
+from flash_mla.backends import cuda_extension
+from flash_mla.scheduler import get_mla_metadata_twin
+from flash_mla.testing import (assert_close, compare, cuda_median_seconds, decode_flops_and_bytes,
                                make_decode_batch, poison_cuda_allocator, random_seqlens, reference_for)
 
 
@@ -108,7 +108,7 @@ def test_two_kv_heads(dtype):
 
 @needs_hopper
 def test_all_empty_sequences():
-    batch, _, out, lse, metrics = run_case([0, 0, 0], 1, 16)
+    _, _, out, lse, metrics = run_case([0, 0, 0], 1, 16)
     assert torch.all(out == 0) and torch.all(torch.isneginf(lse)), metrics
 
 
@@ -121,7 +121,8 @@ def test_metadata_kernel_large_batches(rows, h_kv):
         seqlens = torch.randint(0, 200_000, (b,), generator=gen, dtype=torch.int32)
         seqlens[::7] = 0
         md, ns = flash_mla.get_mla_metadata(seqlens.cuda(), rows, h_kv)
-        twin_md, twin_ns = get_mla_metadata_twin(seqlens, rows, h_kv, torch.cuda.get_device_properties(0).multi_processor_count)
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count
+        twin_md, twin_ns = get_mla_metadata_twin(seqlens, rows, h_kv, num_sms)
         assert torch.equal(md.cpu(), twin_md) and torch.equal(ns.cpu(), twin_ns), f"b={b}"
 
 
@@ -255,7 +256,7 @@ def main():
         del out, lse
         t = time_decode(batch, md, ns)
         flops, nbytes = decode_flops_and_bytes(seqlens, row["s_q"], row["h_q"], 1)
-        print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {str(row['varlen']):>6} {t * 1e6:>9.1f} "
+        print(f"{row['mean']:>6} {row['h_q']:>4} {row['s_q']:>3} {row['varlen']!s:>6} {t * 1e6:>9.1f} "
               f"{flops / t / 1e12:>8.1f} {nbytes / t / 1e9:>7.0f} {metrics['out_rel_l2']:>9.2e} "
               f"{metrics['lse_rel_l2']:>9.2e} {metrics['cos_diff']:>9.2e} {verdict}", flush=True)
         del batch

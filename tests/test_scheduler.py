@@ -197,16 +197,16 @@ def test_random_large_batches(seed):
 
 def test_long_sequence_is_cut_across_all_parts():
     # 3125 pages, 132 parts: payload = ceil(3130 / 132) + 5 = 29, i.e. 24 pages a piece: 130 full pieces + 5 pages
-    md, ns = check_schedule([200000], 16, 1, 132)
+    _, ns = check_schedule([200000], 16, 1, 132)
     assert ns == [0, 131]
-    md, ns = check_schedule([200000, 0, 0, 0], 128, 1, 132)
+    _, ns = check_schedule([200000, 0, 0, 0], 128, 1, 132)
     assert ns[1] - ns[0] > 1 and ns[4] <= 4 + 66
 
 
 @pytest.mark.parametrize("lens", [[0], [0] * 7, [0] * 5000, [1], [64], [65], [1] * 300, [200000] * 3])
 @pytest.mark.parametrize("num_sms", [1, 132])
 def test_edge_batches(lens, num_sms):
-    md, ns = check_schedule(lens, 64, 1, num_sms, count_pages=len(lens) < 1000)
+    _, ns = check_schedule(lens, 64, 1, num_sms, count_pages=len(lens) < 1000)
     if all(L == 0 for L in lens):
         assert ns == list(range(len(lens) + 1))
 

@@ -163,6 +163,20 @@ DECODE_CASES = [
     ("causal-int", lambda a: a.update(causal=1), TypeError, "causal"),
     ("causal-str", lambda a: a.update(causal="yes"), TypeError, "causal"),
     ("causal-tensor", lambda a: a.update(causal=torch.tensor(True)), TypeError, "causal"),
+    # attn_sink: (num_heads_q,) float32 on q's device
+    ("attn_sink-list", lambda a: a.update(attn_sink=[0.0] * H_Q), TypeError, "attn_sink"),
+    ("attn_sink-bf16", lambda a: a.update(attn_sink=torch.zeros(H_Q, dtype=torch.bfloat16)), TypeError, "attn_sink"),
+    ("attn_sink-fp64", lambda a: a.update(attn_sink=torch.zeros(H_Q, dtype=torch.float64)), TypeError, "attn_sink"),
+    ("attn_sink-rank2", lambda a: a.update(attn_sink=torch.zeros(1, H_Q)), ValueError, "attn_sink"),
+    ("attn_sink-rank0", lambda a: a.update(attn_sink=torch.tensor(0.0)), ValueError, "attn_sink"),
+    ("attn_sink-h_kv-long", lambda a: a.update(attn_sink=torch.zeros(H_KV)), ValueError, "attn_sink"),
+    ("attn_sink-too-long", lambda a: a.update(attn_sink=torch.zeros(H_Q + 1)), ValueError, "attn_sink"),
+    ("attn_sink-other-device", lambda a: a.update(attn_sink=torch.zeros(H_Q, device="meta")), ValueError,
+     "attn_sink"),
+    # the classic form needs both tensors
+    ("num_splits-none", lambda a: a.update(num_splits=None), TypeError, "num_splits"),
+    ("plan-none", lambda a: a.update(tile_scheduler_metadata=None, num_splits=None), TypeError,
+     "tile_scheduler_metadata"),
 ]
 
 
@@ -262,7 +276,9 @@ def test_unknown_backend_keyword():
 
 
 @pytest.mark.parametrize("name", ["cuda", "triton"])
-def test_forced_gpu_backend_on_cpu_tensors(name):
+def test_forced_gpu_backend_on_cpu_tensors(name, monkeypatch):
+    # (with TRITON_INTERPRET=1 the triton backend runs CPU tensors in Triton's interpreter: tests/test_triton_backend)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(RuntimeError, match=rf"backend '{name}' was requested but is unavailable") as info:
         flash_mla_with_kvcache(**good_args(), backend=name)
     assert type(info.value) is RuntimeError
@@ -353,7 +369,9 @@ def test_valid_calls_take_the_fast_path():
     from flash_mla import _validation
     args = good_args()
     order = ("q", "k_cache", "block_table", "cache_seqlens", "head_dim_v", "tile_scheduler_metadata", "num_splits",
-             "softmax_scale", "causal")
-    for extra in ({}, {"softmax_scale": 0.05, "causal": True}, {"softmax_scale": 2}):
-        call = {**args, **extra}
+             "softmax_scale", "causal", "attn_sink")
+    sink = torch.zeros(H_Q)
+    for extra in ({}, {"softmax_scale": 0.05, "causal": True}, {"softmax_scale": 2}, {"attn_sink": sink},
+                  {"attn_sink": torch.zeros(2 * H_Q)[::2]}):       # any stride: the backends make it contiguous
+        call = {"attn_sink": None, **args, **extra}
         assert _validation._decode_args_ok(*(call[k] for k in order), pointers=True)
