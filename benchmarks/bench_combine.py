@@ -17,9 +17,9 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import flash_mla  # noqa: E402
-from flash_mla.backends import select_backend  # noqa: E402
-from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,  # noqa: E402
+import flash_mla
+from flash_mla.backends import select_backend
+from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,
                                reference_for)
 
 COPY_BYTES_PER_S = 3.0e12     # device-to-device copy ceiling on the H100 (docs/PERF.md "Ceilings")

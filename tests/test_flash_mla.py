@@ -177,7 +177,7 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
         seqlens = [0, 20000, 0, 0, 2500, 0, 9000, 0, 700, 3000, 0, 1]
     else:
         seqlens = [33851] + [0] * 31
-    batch, (md, ns), out, lse, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, seed=len(seqlens))
+    batch, (_md, ns), out, lse, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, seed=len(seqlens))
     pieces = (ns[1:] - ns[:-1]).tolist()
     assert all((n > 1) == (L > 64) for n, L in zip(pieces, seqlens)), pieces
     assert max(pieces) >= WIDE_MIN_PIECES
