@@ -7,18 +7,21 @@
 //   S_a = Q K_a^T                       (WGMMA SS)     S_b = Q K_b^T                       (WGMMA SS)
 //   m_a = max(m, rowmax S_a)                           .
 //   P_a = exp2(S_a - m_a)                              .
-//   post P_a, m_a, rowsum P_a ------ kPageAProbsReady -> take P_a, m_a, rowsum P_a
+//   post P_a, m_a, rowsum P_a ------- probs_posted[A] -> take P_a, m_a, rowsum P_a
 //   O_L = O_L * e^(m - m_a)                            m_b = max(m_a, rowmax S_b), P_b = exp2(S_b - m_b)
 //   O_L += P_a V_a[:, 0:256]            (WGMMA RS)     l = l e^(m - m_b) + rowsum P_a e^(m_a - m_b) + rowsum P_b
-//   take P_b, m_b, l <-------------- kPageBProbsReady -- post P_b, m_b, l
+//   take P_b, m_b, l <------------- probs_posted[B] -- post P_b, m_b, l
 //   O_L = O_L * e^(m_a - m_b)                          O_R = O_R * e^(m - m_b),  P_a = P_a * e^(m_a - m_b)
 //   O_L += P_b V_b[:, 0:256]            (WGMMA RS)     O_R += P_a V_a[:, 256:512]          (WGMMA RS)
 //                                                      O_R += P_b V_b[:, 256:512]          (WGMMA RS)
 //
-// so one warpgroup's softmax runs while the other's WGMMAs do, and S_b overlaps everything kPageA does
+// The hand-offs are mbarriers (count 128, one arrival per thread, release/acquire per thread: thread t of one
+// warpgroup reads exactly the mailbox slots thread t of the other wrote before arriving).
+// So one warpgroup's softmax runs while the other's WGMMAs do, and S_b overlaps everything kPageA does
 // between S_a and its wait for P_b. Rescales are skipped by warps whose row maxima did not move (the common
-// case), and then nothing waits between a warpgroup's WGMMAs: kPageA queues P_b V_b behind P_a V_a, and kPageB,
-// which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V back to back. (e^x here means exp2 of x times the softmax scale.) A piece with an odd
+// case); kPageB, which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V back to back.
+// (kPageA waits for P_a V_a before P_b V_b in every warp: a wait taken by only some warps of a warpgroup
+// puts its WGMMA instructions at different PCs, which synccheck rightly reports.) (e^x here means exp2 of x times the softmax scale.) A piece with an odd
 // number of pages ends with a pair without b: kPageB then only applies P_a and posts m_b = m_a.
 //
 // Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
@@ -50,6 +53,7 @@ namespace flash_mla {
 struct PipelinePhases {
   uint32_t page[2] = {0, 0};    // segment_full[stage][*]: flips each time a page of that buffer is consumed
   uint32_t q = 0;               // q_full: flips each time a piece with pages is done
+  uint32_t mailbox = 0;         // probs_posted[*]: flips each pair (both warpgroups post once per pair)
 };
 
 template <class Traits>
@@ -300,7 +304,7 @@ struct SplitKvMainloop {
         to_operand(tSrS, tOrPa);
         post_probs(smem, tOrPa);
         smem.stats[wg_thread] = make_float4(m_a[0], m_a[1], rowsum_a[0], rowsum_a[1]);
-        barrier_arrive(SplitKvBarrier::kPageAProbsReady);
+        Barrier::arrive(&smem.probs_posted[kPageAPosted]);
 
         // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
         scale_rows(O, scale);
@@ -308,24 +312,19 @@ struct SplitKvMainloop {
         issue_pv(tOrPa, tOrVa, tOrO);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
-        barrier_sync(SplitKvBarrier::kPageBProbsReady);
+        Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox);
         const float4 from_b = smem.stats[wg_thread];
         const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
         if (has_b) {
           take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
-          // Only a warp whose rows' maximum moved has to wait for P_a V_a before rescaling O_L; the others
-          // queue P_b V_b behind it right away.
-          if (warp_needs_rescale(scale)) {
-            wait_pv(tOrO);
-            scale_rows(O, scale);
-          }
+          wait_pv(tOrO);                                    // P_a V_a done: V_a[:, 0:256] is free
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
+          scale_rows(O, scale);
           wait_segments(smem, 1, phases.page[1], 0, kVHalf);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
-          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
           wait_pv(tOrO);
           refill(p, smem, 1, next_b, kv_head, 0, kVHalf);
         } else {
@@ -348,7 +347,7 @@ struct SplitKvMainloop {
         }
 
         // ---- take P_a, m_a, rowsum_a; softmax of b; post P_b, m_b, l ---------------------------------------
-        barrier_sync(SplitKvBarrier::kPageAProbsReady);
+        Barrier::wait(&smem.probs_posted[kPageAPosted], phases.mailbox);
         const float4 from_a = smem.stats[wg_thread];
         take_probs(smem, tOrPa);
         const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
@@ -371,7 +370,7 @@ struct SplitKvMainloop {
           stats.max[r] = m_b[r];
         }
         smem.stats[wg_thread] = make_float4(m_b[0], m_b[1], stats.sum[0], stats.sum[1]);
-        barrier_arrive(SplitKvBarrier::kPageBProbsReady);
+        Barrier::arrive(&smem.probs_posted[kPageBPosted]);
         if (page + 2 >= num_pages) {
           // Both S of the piece's last pair are done (S_a before kPageAProbsReady): Q can take the next piece's
           // tile. Issued after P_b is posted, off kPageA's path.
@@ -400,6 +399,7 @@ struct SplitKvMainloop {
       }
       phases.page[0] ^= 1;
       if (has_b) phases.page[1] ^= 1;
+      phases.mailbox ^= 1;
     }
     phases.q ^= 1;
 

@@ -15,6 +15,12 @@ namespace flash_mla {
 // Each applies both pages' probabilities to its half of O (see mainloop.h for the schedule).
 enum class WarpgroupRole : int { kPageA = 0, kPageB = 1 };
 
+// SharedStorage::probs_posted[event] completes (once per pair) when the mailbox holds
+enum MailboxEvent : int {
+  kPageAPosted = 0,    // P_a, m_a and rowsum_a from kPageA (and its S_a is complete)
+  kPageBPosted = 1,    // P_b, m_b and l from kPageB (and its S_b is complete; it has read kPageA's slots)
+};
+
 template <class Element_>
 struct SplitKvTraits {
   using Element = Element_;
@@ -88,6 +94,8 @@ struct SplitKvTraits {
     // (cp.async arrivals of the 128 threads that copy it).
     alignas(8) uint64_t segment_full[kStages][kSegments];
     alignas(8) uint64_t q_full;
+    // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
+    alignas(8) uint64_t probs_posted[2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + the mailbox must fit in one SM's shared memory");
