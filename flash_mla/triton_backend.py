@@ -126,6 +126,23 @@ if triton is not None:
     _LOG2E = tl.constexpr(LOG2E)   # for use inside kernels
 
     @triton.jit
+    def _loop_bound(x):
+        """A scalar loaded from memory, as a `range()` bound. Compiled: the identity (the loops stay scf.for,
+        so the key loop is still software-pipelined)."""
+        return x
+
+    if type(_loop_bound).__name__ == "InterpretedFunction":
+        def _loop_bound(x):
+            """Interpreted: a Python int. The interpreter runs range() on the bounds, which calls the tensor's
+            __index__; Triton's interpreter holds every scalar as a 1-element 1-D numpy array, and older Triton
+            (3.6; 3.9 squeezes first) makes __index__ int(array), which recent NumPy (2.4 here) refuses ("only
+            0-dimensional arrays can be converted to Python scalars"). Read the one element ourselves."""
+            handle = getattr(x, "handle", None)
+            if handle is None:   # already a Python number or a constexpr
+                return int(getattr(x, "value", x))
+            return int(handle.data.reshape(-1)[0])
+
+    @triton.jit
     def _sink_scale(sink_ptr, head, row_ok, lse):
         """1 / (1 + exp(attn_sink[head] - lse)) per row; 1 for rows that saw no key (lse -inf: their out is 0
         and stays 0, and a -inf sink would otherwise give exp(nan))."""
@@ -173,7 +190,7 @@ if triton is not None:
         cols_rope = D_V + tl.arange(0, D_ROPE)
         offs_n = tl.arange(0, BLOCK_N)
 
-        for seq in range(begin_seq, end_seq + 1):
+        for seq in range(_loop_bound(begin_seq), _loop_bound(end_seq + 1)):
             seq64 = tl.cast(seq, tl.int64)   # 64-bit offsets: big batches overflow int32
             length = tl.load(seqlens_ptr + seq)
             lo = tl.where(seq == begin_seq, begin_token, 0)
@@ -199,7 +216,7 @@ if triton is not None:
             row_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
 
-            for start in range(lo, hi, BLOCK_N):
+            for start in range(_loop_bound(lo), _loop_bound(hi), BLOCK_N):
                 token = start + offs_n
                 token_ok = token < hi   # hi <= L: tokens past the length (NaN slots, -1 pages) are never loaded
                 page = tl.load(block_table_ptr + seq64 * stride_bt_b + token // PAGE, mask=token_ok, other=0)
@@ -275,7 +292,7 @@ if triton is not None:
 
             # lse = logsumexp_k lse_k, first its max so that every exponent is <= 0
             max_lse = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-            for k in range(num_pieces):
+            for k in range(_loop_bound(num_pieces)):
                 slot = (first_slot + k).to(tl.int64)
                 lse_k = tl.load(lse_ws_row_ptr + slot * stride_lws_slot, mask=row_ok, other=float("-inf"))
                 max_lse = tl.maximum(max_lse, lse_k)
@@ -284,7 +301,7 @@ if triton is not None:
             # out = sum_k w_k O_k / sum_k w_k with w_k = exp(lse_k - max): the pieces' O_k are normalised
             weight_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
             acc = tl.zeros([BLOCK_M, D_V], dtype=tl.float32)
-            for k in range(num_pieces):
+            for k in range(_loop_bound(num_pieces)):
                 slot = (first_slot + k).to(tl.int64)
                 lse_k = tl.load(lse_ws_row_ptr + slot * stride_lws_slot, mask=row_ok, other=float("-inf"))
                 w = tl.exp2((lse_k - base) * _LOG2E)
