@@ -1,7 +1,6 @@
 """Small-batch, long-context decoding, where the split sequence's combine step matters (issue 12).
 
     python benchmarks/bench_combine.py [--dtype bf16] [--lengths 32768,131072] [--heads 16,128] [--num-sms N]
-    FLASH_MLA_COMBINE_PDL=0 python benchmarks/bench_combine.py       # combine as an ordinary launch (no PDL)
     ncu -k regex:mla_combine python benchmarks/bench_combine.py --reps 1   # the combine kernel alone
 
 One row per config (b = 1, s_q = 1, causal): the pieces the plan cut the sequence into, the median time per
@@ -76,8 +75,7 @@ def main():
         return 0
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     backend = select_backend(torch.device("cuda"), args.backend)
-    print(f"device: {torch.cuda.get_device_name()}  backend: {backend}  {args.dtype}  b=1 s_q=1 causal  "
-          f"PDL={os.environ.get('FLASH_MLA_COMBINE_PDL', '1')}")
+    print(f"device: {torch.cuda.get_device_name()}  backend: {backend}  {args.dtype}  b=1 s_q=1 causal")
     print(f"{'L':>7} {'h_q':>4} {'pieces':>6} {'time_us':>8} {'GB/s':>6} {'floor_us':>8} {'floor_x':>7}")
     for length in (int(x) for x in args.lengths.split(",")):
         for h_q in (int(x) for x in args.heads.split(",")):
