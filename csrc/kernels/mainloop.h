@@ -15,14 +15,18 @@
 //   O_L += P_b V_b[:, 0:256]            (WGMMA RS)     O_R += P_a V_a[:, 256:512]          (WGMMA RS)
 //                                                      O_R += P_b V_b[:, 256:512]          (WGMMA RS)
 //
-// The hand-offs are mbarriers (count 128, one arrival per thread, release/acquire per thread: thread t of one
-// warpgroup reads exactly the mailbox slots thread t of the other wrote before arriving).
-// So one warpgroup's softmax runs while the other's WGMMAs do, and S_b overlaps everything kPageA does
-// between S_a and its wait for P_b. Rescales are skipped by warps whose row maxima did not move (the common
-// case); kPageB, which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V back to back.
-// (kPageA waits for P_a V_a before P_b V_b in every warp: a wait taken by only some warps of a warpgroup
-// puts its WGMMA instructions at different PCs, which synccheck rightly reports.) (e^x here means exp2 of x times the softmax scale.) A piece with an odd
-// number of pages ends with a pair without b: kPageB then only applies P_a and posts m_b = m_a.
+// (e^x here means exp2 of x times the softmax scale.) So one warpgroup's softmax runs while the other's WGMMAs
+// do, and S_b overlaps everything kPageA does between S_a and its wait for P_b. Rescales are skipped by warps
+// whose row maxima did not move (the common case); kPageB, which moves P_a to m_b instead of rescaling O_R
+// twice, issues both of its P V back to back. kPageA waits for P_a V_a before P_b V_b in every warp: a wait
+// taken by only some warps of a warpgroup puts its WGMMA instructions at different PCs (synccheck reports it).
+// A piece with an odd number of pages ends with a pair without b: kPageB then only applies P_a and posts
+// m_b = m_a.
+//
+// Hand-offs: mbarriers probs_posted[A|B] (count 128, one arrival per thread; release/acquire per thread:
+// thread t of one warpgroup reads exactly the mailbox slots thread t of the other wrote before arriving).
+// bar.arrive / bar.sync pairs are as correct by the PTX memory model and faster, but racecheck cannot follow
+// them (docs/HARDENING.md).
 //
 // Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
 // tracked by its own transaction mbarrier. Page k of a piece lives in buffer k % 2; the warpgroup whose work
