@@ -3,6 +3,7 @@
 * A source checkout that was not pip-installed is put on sys.path; an installed flash_mla (which may carry the
   compiled CUDA extension) is left alone.
 * `one_torch_thread`: an opt-in fixture for modules that run the CPU backend.
+* `default_environment`: the flash_mla environment switches (backend choice, debug checks) unset.
 * `nan_empty`: torch.empty hands out NaN-filled floating tensors, so an output element a backend forgets to
   write shows up as NaN.
 """
@@ -26,6 +27,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def default_environment(monkeypatch):
+    """FLASH_MLA_BACKEND and FLASH_MLA_DEBUG unset for the test, whatever the calling shell exported."""
+    from flash_mla.backends import ENV_VAR
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    monkeypatch.delenv("FLASH_MLA_DEBUG", raising=False)
 
 
 @pytest.fixture

@@ -17,20 +17,14 @@ import torch
 
 import flash_mla
 from flash_mla import FlashMLASchedMeta, MLASchedule, flash_mla_with_kvcache, get_mla_metadata
-from flash_mla.backends import ENV_VAR, cuda_extension
+from flash_mla.backends import cuda_extension
 from flash_mla.scheduler import num_sm_parts_for
 from flash_mla.testing import (HEAD_DIM_V, assert_close, compare, make_attn_sink, make_decode_batch,
                                reference_for)
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = pytest.mark.usefixtures("one_torch_thread", "default_environment")
 DECODE = "flash_mla_with_kvcache"
 META = "get_mla_metadata"
-
-
-@pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.delenv("FLASH_MLA_DEBUG", raising=False)
 
 
 def batch_for(seqlens=(5, 70, 0, 130), s_q=2, h_q=16, h_kv=1, seed=0, device="cpu"):

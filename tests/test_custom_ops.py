@@ -13,7 +13,7 @@ import torch
 
 import flash_mla
 from flash_mla import flash_mla_with_kvcache, get_mla_metadata, ops
-from flash_mla.backends import ENV_VAR, _unavailable_reason
+from flash_mla.backends import _unavailable_reason
 from flash_mla.scheduler import METADATA_WIDTH, num_sm_parts_for
 from flash_mla.testing import make_decode_batch
 
@@ -25,9 +25,7 @@ METADATA_OP = "flash_mla::get_mla_metadata"
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.delenv("FLASH_MLA_DEBUG", raising=False)
+def _fresh(default_environment):
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()

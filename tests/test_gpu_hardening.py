@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-from flash_mla.backends import ENV_VAR, _unavailable_reason, cuda_extension
+from flash_mla.backends import _unavailable_reason, cuda_extension
 from flash_mla.scheduler import get_mla_metadata_twin
 from flash_mla.testing import (
     DecodeBatch,
@@ -49,9 +49,7 @@ BACKENDS = _backends()
 
 
 @pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch):
-    monkeypatch.delenv(ENV_VAR, raising=False)
-    monkeypatch.delenv("FLASH_MLA_DEBUG", raising=False)
+def _clean_environment(default_environment):
     yield
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
