@@ -126,7 +126,7 @@ struct SplitKvMainloop {
     for (int i = threadIdx.x % kWgThreads; i < kVHalf * tail_chunks; i += kWgThreads) {
       const int seg = warpgroup * kVHalf + i / tail_chunks;
       // The swizzle permutes 16-byte chunks within a 128-byte row, so rows >= valid_rows are one byte range.
-      buffer[seg * (kSegmentElems * int(sizeof(Element)) / 16) + valid_rows * kChunksPerRow + i % tail_chunks] =
+      buffer[seg * (kSegmentBytes / 16) + valid_rows * kChunksPerRow + i % tail_chunks] =
           make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
@@ -236,7 +236,7 @@ struct SplitKvMainloop {
 
   // ============================================ one piece ===================================================
 
-  // Both warpgroups run this with their own role; the named barriers keep them one pair apart at most.
+  // Both warpgroups run this with their own role; the mailbox hand-offs keep them one pair apart at most.
   template <WarpgroupRole kRole>
   __device__ static void attend_piece(const DecodeParams& p, SharedStorage& smem, const PieceRange& range,
                                       const Piece& piece, int kv_head, int m_tile, PipelinePhases& phases) {

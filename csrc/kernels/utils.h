@@ -13,8 +13,6 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // The four lanes of a quad hold the columns of the same accumulator rows.
 __device__ __forceinline__ float quad_max(float x) {
