@@ -41,8 +41,11 @@ class Piece:
     slot: int            # workspace slot for split pieces: num_splits[seq] + split_idx
 
 
-def schedule(seqlens: Sequence[int], num_sm_parts: int) -> Tuple[List[List[int]], List[int]]:
-    """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists."""
+def schedule(seqlens: Sequence[int], num_sm_parts: int,
+             min_payload: int = 0) -> Tuple[List[List[int]], List[int]]:
+    """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists.
+
+    min_payload (experiment hook, benchmarks/plan_policy.py): a floor on each part's payload, in blocks."""
     b = len(seqlens)
     if b == 0:
         raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
@@ -51,7 +54,7 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int) -> Tuple[List[List[int]]
         raise ValueError(f"get_mla_metadata: cache_seqlens[{i}]: expected a length >= 0, got {int(seqlens[i])}")
     blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
     total = sum(blocks) + FIXED_OVERHEAD * b
-    payload = ceil_div(total, num_sm_parts) + FIXED_OVERHEAD
+    payload = max(ceil_div(total, num_sm_parts) + FIXED_OVERHEAD, min_payload)
 
     metadata: List[List[int]] = []
     num_splits = [0] * (b + 1)
