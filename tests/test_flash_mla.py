@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flash_mla
 from flash_mla.backends import cuda_extension
-from flash_mla.scheduler import get_mla_metadata_twin
+from flash_mla.scheduler import get_mla_metadata_twin, schedule
 from flash_mla.testing import (assert_close, compare, cuda_median_seconds, decode_flops_and_bytes,
                                make_decode_batch, poison_cuda_allocator, random_seqlens, reference_for)
 
@@ -150,7 +150,23 @@ def test_deterministic():
 # (pieces, length, SM parts): the device plan cuts one sequence of that length into exactly that many pieces
 # (num_sms = parts * query-row tiles); 1024 pieces is a 1M-token cache (1.2 GB in bf16).
 PIECE_COUNTS = [(1, 3000, 1), (2, 9983, 2), (133, 33851, 134), (1024, 1048256, 1024)]
-WIDE_MIN_PIECES = 16     # csrc/kernels/combine.cu kWideMinPieces: from here on a split sequence gets the wide tile
+
+
+def slice_cols(pieces: int) -> int:
+    """csrc/kernels/combine.cu slice_cols: output columns of one warp item of a sequence cut into `pieces`."""
+    cols = 512
+    while cols > 16 and pieces * cols * 4 > 32 * 128:
+        cols //= 2
+    return cols
+
+
+def length_with_pieces(pieces: int, parts: int) -> int:
+    """The shortest b = 1 length (multiple of 64, plus 37) that a plan of `parts` SM parts cuts into `pieces`."""
+    for blocks in range(pieces, 64 * pieces + 64):
+        length = blocks * 64 - 27
+        if schedule([length], parts)[1][1] == pieces:
+            return length
+    raise AssertionError(f"no length gives {pieces} pieces over {parts} parts")
 
 
 @needs_hopper
@@ -180,12 +196,32 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
     batch, (_md, ns), out, lse, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, seed=len(seqlens))
     pieces = (ns[1:] - ns[:-1]).tolist()
     assert all((n > 1) == (L > 64) for n, L in zip(pieces, seqlens)), pieces
-    assert max(pieces) >= WIDE_MIN_PIECES
-    if case == "mixed":
-        assert any(1 < n < WIDE_MIN_PIECES for n in pieces), pieces
+    if case == "mixed":     # several slice widths in one launch
+        assert len({slice_cols(n) for n in pieces if n > 1}) >= 2, pieces
     empty = batch.cache_seqlens == 0
     assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
     assert_close(metrics, dtype, f"{case}: pieces {pieces}")
+
+
+@needs_hopper
+@pytest.mark.parametrize("h_q", [16, 128])
+@pytest.mark.parametrize("pieces", [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 129])
+def test_combine_every_slice_width(pieces, h_q):
+    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 16 from 65 on) and the
+    piece counts at each width's edges: a lane with a partial last batch, groups with unequal piece counts."""
+    parts = pieces + 1
+    length = length_with_pieces(pieces, parts)
+    _, (_md, ns), _, _, metrics = run_case([length], 1, h_q, num_sms=parts * -(-h_q // 64), seed=pieces)
+    assert ns.tolist() == [0, pieces]
+    assert_close(metrics, torch.bfloat16, f"{pieces} pieces ({slice_cols(pieces)} columns), h_q={h_q}")
+
+
+def test_slice_widths_cover_the_design():
+    """The widths the combine's design comment names, mirrored here (the kernel static_asserts the same)."""
+    assert [slice_cols(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 133)] == \
+        [512, 256, 256, 128, 128, 64, 64, 32, 32, 16, 16, 16, 16]
+    for pieces in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 129):    # the GPU test's plans exist
+        assert schedule([length_with_pieces(pieces, pieces + 1)], pieces + 1)[1] == [0, pieces]
 
 
 def _has_attn_sink():
