@@ -155,7 +155,7 @@ PIECE_COUNTS = [(1, 3000, 1), (2, 9983, 2), (133, 33851, 134), (1024, 1048256, 1
 def slice_cols(pieces: int) -> int:
     """csrc/kernels/combine.cu slice_cols: output columns of one warp item of a sequence cut into `pieces`."""
     cols = 512
-    while cols > 16 and pieces * cols * 4 > 32 * 128:
+    while cols > 8 and pieces * cols * 4 > 32 * 128:
         cols //= 2
     return cols
 
@@ -205,9 +205,9 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
 
 @needs_hopper
 @pytest.mark.parametrize("h_q", [16, 128])
-@pytest.mark.parametrize("pieces", [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 129])
+@pytest.mark.parametrize("pieces", [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129])
 def test_combine_every_slice_width(pieces, h_q):
-    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 16 from 65 on) and the
+    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 8 from 65 on) and the
     piece counts at each width's edges: a lane with a partial last batch, groups with unequal piece counts."""
     parts = pieces + 1
     length = length_with_pieces(pieces, parts)
@@ -218,9 +218,9 @@ def test_combine_every_slice_width(pieces, h_q):
 
 def test_slice_widths_cover_the_design():
     """The widths the combine's design comment names, mirrored here (the kernel static_asserts the same)."""
-    assert [slice_cols(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 133)] == \
-        [512, 256, 256, 128, 128, 64, 64, 32, 32, 16, 16, 16, 16]
-    for pieces in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 129):    # the GPU test's plans exist
+    assert [slice_cols(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 133)] == \
+        [512, 256, 256, 128, 128, 64, 64, 32, 32, 16, 16, 8, 8, 8]
+    for pieces in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129):    # the GPU test's plans exist
         assert schedule([length_with_pieces(pieces, pieces + 1)], pieces + 1)[1] == [0, pieces]
 
 

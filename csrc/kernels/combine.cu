@@ -15,12 +15,12 @@
 //
 // Work items. One item = one warp = (packed query row, slice of kCols output columns) of a split sequence. The
 // slice width follows the piece count n, on the device (the host cannot know n without a sync): kCols =
-// clamp(pow2_floor(1024 / n), 16, 512), so that n x kCols <= 1024, i.e. a warp's share is n x kCols x 4 B
-// <= 4 KiB = 8 float4 per lane: one round of loads (n <= 64), two at most for n <= 128. Lanes are
+// clamp(pow2_floor(1024 / n), 8, 512), so that n x kCols <= 1024, i.e. a warp's share is n x kCols x 4 B
+// <= 4 KiB = 8 float4 per lane: one round of loads up to n = 128 (b = 1 on an H100), more only beyond. Lanes are
 // (piece group) x (column lane): kCols >= 128 puts all 32 lanes across the columns (kCols / 128 float4 each per
 // piece); narrower slices leave 32 / (kCols / 4) piece groups, group g taking pieces g, g + groups, ...
 //   n = 2: 512 columns (one item per row, 4 float4 x 2 pieces per lane); n = 16: 64 columns, 2 groups;
-//   n = 133: 16 columns, 8 groups of 4 lanes, 17 pieces per lane (8 per round).
+//   n = 128: 8 columns (one 32 B sector per piece), 16 groups of 2 lanes, 8 pieces per lane.
 //
 // Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (several per SM); warp w of the grid
 // processes items w, w + total warps, ... Order inside a CTA:
@@ -56,7 +56,7 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxSplitSeqs = 1024;     // >= num_sm_parts - 1 for any get_mla_metadata plan (<= 1024 parts)
 constexpr int kLaneLoadBytes = 8 * 16;  // 8 float4 in flight per lane per round
-constexpr int kMinSliceCols = 16;       // 64 B of a piece's row: two 32 B sectors, still whole sectors
+constexpr int kMinSliceCols = 8;        // 32 B of a piece's row: one sector, the smallest whole read
 
 // Output columns one warp item covers for a sequence of n pieces: the widest power of two with
 // n x cols x 4 B <= 32 lanes x kLaneLoadBytes (one round of loads), between kMinSliceCols and all 512.
@@ -65,8 +65,8 @@ __host__ __device__ constexpr int slice_cols(int num_pieces) {
   while (cols > kMinSliceCols && num_pieces * cols * 4 > kWarpSize * kLaneLoadBytes) cols /= 2;
   return cols;
 }
-static_assert(slice_cols(2) == 512 && slice_cols(3) == 256 && slice_cols(16) == 64 && slice_cols(64) == 16 &&
-              slice_cols(133) == 16, "the widths the design comment names");
+static_assert(slice_cols(2) == 512 && slice_cols(3) == 256 && slice_cols(16) == 64 && slice_cols(128) == 8 &&
+              slice_cols(133) == 8, "the widths the design comment names");
 
 // How a warp's lanes cover a slice of kCols columns.
 template <int kCols_>
@@ -345,6 +345,7 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
       case 128: combine_slice<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 64: combine_slice<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 32: combine_slice<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 16: combine_slice<Element, 16>(p, seq, first_slot, num_pieces, local_item, lane); break;
       default: combine_slice<Element, kMinSliceCols>(p, seq, first_slot, num_pieces, local_item, lane); break;
     }
   }
