@@ -152,10 +152,16 @@ def test_deterministic():
 PIECE_COUNTS = [(1, 3000, 1), (2, 9983, 2), (133, 33851, 134), (1024, 1048256, 1024)]
 
 
+WARP_ITEM_MAX_PIECES = 32     # csrc/kernels/combine.cu kWarpItemMaxPieces: more pieces get CTA items
+
+
 def slice_cols(pieces: int) -> int:
-    """csrc/kernels/combine.cu slice_cols: output columns of one warp item of a sequence cut into `pieces`."""
+    """csrc/kernels/combine.cu: output columns of one combine item of a sequence cut into `pieces` (warp items up
+    to WARP_ITEM_MAX_PIECES, then CTA items of 64 columns)."""
+    if pieces > WARP_ITEM_MAX_PIECES:
+        return 64
     cols = 512
-    while cols > 8 and pieces * cols * 4 > 32 * 128:
+    while pieces * cols * 4 > 32 * 128:
         cols //= 2
     return cols
 
@@ -196,8 +202,9 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
     batch, (_md, ns), out, lse, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, seed=len(seqlens))
     pieces = (ns[1:] - ns[:-1]).tolist()
     assert all((n > 1) == (L > 64) for n, L in zip(pieces, seqlens)), pieces
-    if case == "mixed":     # several slice widths in one launch
-        assert len({slice_cols(n) for n in pieces if n > 1}) >= 2, pieces
+    if case == "mixed":     # CTA items and warp items of several widths in one launch
+        split = [n for n in pieces if n > 1]
+        assert max(split) > WARP_ITEM_MAX_PIECES and len({slice_cols(n) for n in split}) >= 3, pieces
     empty = batch.cache_seqlens == 0
     assert bool((out[empty] == 0).all()) and bool(torch.isneginf(lse[empty]).all())
     assert_close(metrics, dtype, f"{case}: pieces {pieces}")
@@ -207,8 +214,9 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
 @pytest.mark.parametrize("h_q", [16, 128])
 @pytest.mark.parametrize("pieces", [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129])
 def test_combine_every_slice_width(pieces, h_q):
-    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 8 from 65 on) and the
-    piece counts at each width's edges: a lane with a partial last batch, groups with unequal piece counts."""
+    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 32 at 17-32) and its CTA
+    items (33 pieces on), at each width's edges: a thread with a partial last batch, groups with unequal piece
+    counts, two rounds of loads in a CTA item (129 pieces)."""
     parts = pieces + 1
     length = length_with_pieces(pieces, parts)
     _, (_md, ns), _, _, metrics = run_case([length], 1, h_q, num_sms=parts * -(-h_q // 64), seed=pieces)
@@ -219,7 +227,7 @@ def test_combine_every_slice_width(pieces, h_q):
 def test_slice_widths_cover_the_design():
     """The widths the combine's design comment names, mirrored here (the kernel static_asserts the same)."""
     assert [slice_cols(n) for n in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 133)] == \
-        [512, 256, 256, 128, 128, 64, 64, 32, 32, 16, 16, 8, 8, 8]
+        [512, 256, 256, 128, 128, 64, 64, 32, 32, 64, 64, 64, 64, 64]
     for pieces in (2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129):    # the GPU test's plans exist
         assert schedule([length_with_pieces(pieces, pieces + 1)], pieces + 1)[1] == [0, pieces]
 

@@ -4,38 +4,42 @@
 //
 // Design goal: the time must not grow with the number of pieces (b = 1 is cut into ~num_SMs pieces) nor with the
 // number of split rows (b = 128, h_q = 128: 16k rows of two pieces), whatever else is in the batch (a CUDA-graph
-// batch padded to b = 32 around one long sequence included). The kernel is latency-bound, so: every warp works
-// alone (no CTA barrier after the prologue), every warp issues one round of loads per item where it can, and
-// several CTAs share an SM.
+// batch padded to b = 32 around one long sequence included). The kernel is latency-bound: each item should cost
+// one round of loads, and independent items should not wait for each other.
 //
 // Which rows. Only sequences cut into two or more pieces. Unsplit sequences (L = 0 ones included: they are never
 // cut) were written by the split kernel and are not touched. Sequence s is split exactly when one SM part starts
 // with its piece 1 (metadata begin_split == 1), so at most min(batch, num_sm_parts - 1) sequences are split, and
 // the work is bounded by the plan, not by the batch size.
 //
-// Work items. One item = one warp = (packed query row, slice of kCols output columns) of a split sequence. The
-// slice width follows the piece count n, on the device (the host cannot know n without a sync): kCols =
-// clamp(pow2_floor(1024 / n), 8, 512), so that n x kCols <= 1024, i.e. a warp's share is n x kCols x 4 B
-// <= 4 KiB = 8 float4 per lane: one round of loads up to n = 128 (b = 1 on an H100), more only beyond. Lanes are
-// (piece group) x (column lane): kCols >= 128 puts all 32 lanes across the columns (kCols / 128 float4 each per
-// piece); narrower slices leave 32 / (kCols / 4) piece groups, group g taking pieces g, g + groups, ...
-//   n = 2: 512 columns (one item per row, 4 float4 x 2 pieces per lane); n = 16: 64 columns, 2 groups;
-//   n = 128: 8 columns (one 32 B sector per piece), 16 groups of 2 lanes, 8 pieces per lane.
+// Two kinds of items, chosen per sequence from its piece count n, on the device (the host cannot know n without
+// a sync); measured on the H100 (docs/PERF.md "Combine kernel"):
+//   warp items (n <= kWarpItemMaxPieces = 32; many rows, few pieces: b = 128 with 2 pieces, b = 4 with 16-32):
+//      one warp = (packed query row, slice of kCols columns), kCols = the widest power of two with
+//      n x kCols x 4 B <= 4 KiB, i.e. 8 float4 per lane, one round of loads: n = 2: 512 columns (4 float4 x 2
+//      pieces per lane); n = 16: 64 columns, 2 piece groups of 16 lanes; n = 32: 32 columns, 4 groups of 8.
+//      Lanes are (piece group) x (column lane), group g takes pieces g, g + groups, ...; the lanes compute the
+//      row's lse themselves (n loads strided over the warp) and sum the groups with xor shuffles. No barrier:
+//      a CTA's warps run unrelated items.
+//   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64 columns); its 16
+//      piece groups of 16 threads (a float4 each) take pieces g, g + 16, ..., 8 loads in flight per thread (one
+//      round up to 128 pieces); the 8 warps' lse partial states and the groups' sums meet in shared memory.
+//      Narrow warp items here would make every 8-column slice re-read the row's n lse values (measured slower).
 //
-// Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (several per SM); warp w of the grid
-// processes items w, w + total warps, ... Order inside a CTA:
+// Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (two per SM). Order inside a CTA:
 //   1. prologue (may run while the split kernel is still running: programmatic dependent launch): warp 0 lists
 //      the split sequences (ballot over the metadata's begin_split == 1), their slots and pieces (num_splits),
-//      and each one's first item (a warp scan), into shared memory. It reads only the metadata and num_splits,
-//      written by the metadata kernel, which had finished before the split kernel (an ordinary launch) started.
+//      and each one's first CTA item and first warp item (warp scans), into shared memory. It reads only the
+//      metadata and num_splits, written by the metadata kernel, which had finished before the split kernel (an
+//      ordinary launch) started.
 //   2. griddepcontrol.wait, by every CTA: from here on the split kernel's results are complete and visible, and
 //      this grid cannot complete before the split kernel.
-//   3. per item, one warp: the loads of its first batch of pieces (O_k and lse_k: they do not need the row's lse),
-//      the row's lse (lanes read the pieces' lse strided, warp max, warp sum of exp(lse_k - max)), the weighted
-//      sum over the lane's pieces, the groups' sums (xor shuffles), the sink, the stores of out and lse.
-// Deterministic: every sum has a fixed order (a lane's pieces in order, xor-shuffle trees), whichever warp runs
-// an item; no atomics. Semantics kept from the split kernel: a row with no key in any piece gets out 0, lse -inf;
-// a NaN lse_k makes the row's lse and out NaN (never mistaken for "no key").
+//   3. CTA items i = blockIdx.x, + gridDim.x, ...; then warp items w = global warp index, + all warps, ... Each
+//      item: the loads of its first batch of pieces (O_k and lse_k: they do not need the row's lse), the row's lse,
+//      the weighted sum over the thread's pieces, the groups' sums, the sink, the stores of out and lse.
+// Deterministic: every sum has a fixed order (a thread's pieces in order, xor-shuffle trees, warp order, group
+// order), whichever CTA or warp runs an item; no atomics. Semantics kept from the split kernel: a row with no key
+// in any piece gets out 0, lse -inf; a NaN lse_k makes the row's lse and out NaN (never mistaken for "no key").
 // Split results are read with ld.global.cg: each O element is read once, from L2, where the split kernel's
 // writes are; L1 would only hold lines this kernel never reads again.
 #include <cuda_runtime.h>
@@ -51,22 +55,42 @@ namespace {
 
 constexpr int kCombineWarps = 8;
 constexpr int kCombineThreads = kCombineWarps * 32;
-constexpr int kCombineMinCtasPerSm = 2;  // 16 warps per SM, 8 float4 in flight per lane: 64 KiB of loads per SM
+constexpr int kCombineMinCtasPerSm = 2;  // 16 warps per SM, 8 float4 in flight per thread: 64 KiB of loads per SM
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kMaxSplitSeqs = 1024;     // >= num_sm_parts - 1 for any get_mla_metadata plan (<= 1024 parts)
-constexpr int kLaneLoadBytes = 8 * 16;  // 8 float4 in flight per lane per round
-constexpr int kMinSliceCols = 8;        // 32 B of a piece's row: one sector, the smallest whole read
+constexpr int kLaneLoadBytes = 8 * 16;  // 8 float4 in flight per thread per round
+constexpr int kWarpItemMaxPieces = 32;  // more pieces: CTA items
 
-// Output columns one warp item covers for a sequence of n pieces: the widest power of two with
-// n x cols x 4 B <= 32 lanes x kLaneLoadBytes (one round of loads), between kMinSliceCols and all 512.
+__host__ __device__ constexpr bool uses_warp_items(int num_pieces) { return num_pieces <= kWarpItemMaxPieces; }
+
+// Output columns of one warp item for a sequence of n <= kWarpItemMaxPieces pieces: the widest power of two with
+// n x cols x 4 B <= 32 lanes x kLaneLoadBytes (one round of loads).
 __host__ __device__ constexpr int slice_cols(int num_pieces) {
   int cols = kHeadDimV;
-  while (cols > kMinSliceCols && num_pieces * cols * 4 > kWarpSize * kLaneLoadBytes) cols /= 2;
+  while (num_pieces * cols * 4 > kWarpSize * kLaneLoadBytes) cols /= 2;
   return cols;
 }
-static_assert(slice_cols(2) == 512 && slice_cols(3) == 256 && slice_cols(16) == 64 && slice_cols(128) == 8 &&
-              slice_cols(133) == 8, "the widths the design comment names");
+static_assert(slice_cols(2) == 512 && slice_cols(3) == 256 && slice_cols(16) == 64 &&
+              slice_cols(kWarpItemMaxPieces) == 32, "the widths the design comment names");
+
+// The CTA item: one packed row x 64 columns; 16 piece groups of 16 threads, one float4 column each.
+struct CtaTile {
+  static constexpr int kCols = 64;
+  static constexpr int kChunks = kHeadDimV / kCols;          // items across one row
+  static constexpr int kColThreads = kCols / 4;
+  static constexpr int kGroups = kCombineThreads / kColThreads;
+  static constexpr int kBatch = kLaneLoadBytes / 16;         // pieces per thread per round
+  static_assert(kColThreads * kGroups == kCombineThreads && kColThreads <= kWarpSize, "threads tile the item");
+};
+
+// Items of one sequence with `num_pieces` pieces, in the item space its piece count selects.
+__host__ __device__ inline int cta_items_of(int num_pieces, int rows, int num_heads_k) {
+  return uses_warp_items(num_pieces) ? 0 : num_heads_k * rows * CtaTile::kChunks;
+}
+__host__ __device__ inline int warp_items_of(int num_pieces, int rows, int num_heads_k) {
+  return uses_warp_items(num_pieces) ? num_heads_k * rows * (kHeadDimV / slice_cols(num_pieces)) : 0;
+}
 
 // How a warp's lanes cover a slice of kCols columns.
 template <int kCols_>
@@ -80,19 +104,16 @@ struct SliceShape {
   static_assert(kHeadDimV % kCols == 0 && kColLanes * kGroups == kWarpSize && kBatch >= 1, "lanes tile the slice");
 };
 
-// Items of one sequence with `num_pieces` pieces: every packed row of every KV head, in slices.
-__host__ __device__ inline int items_of(int num_pieces, int rows, int num_heads_k) {
-  return num_heads_k * rows * (kHeadDimV / slice_cols(num_pieces));
-}
-
 // The split sequences, listed by warp 0 in the prologue (shared memory).
 struct WorkList {
   int seq[kMaxSplitSeqs];
   int first_slot[kMaxSplitSeqs];        // workspace slot of piece 0
   int num_pieces[kMaxSplitSeqs];        // >= 2, or 0 for an entry that failed the slot guard (no items)
-  int first_item[kMaxSplitSeqs];        // exclusive prefix of the entries' item counts
+  int first_cta_item[kMaxSplitSeqs];    // exclusive prefix of the entries' CTA item counts
+  int first_warp_item[kMaxSplitSeqs];   // exclusive prefix of the entries' warp item counts
   int count;
-  int total_items;
+  int total_cta_items;
+  int total_warp_items;
 };
 
 // log-sum-exp state of a set of lse values: `max` ignores NaN (fmaxf); `sum` = sum exp(lse_k - base) with
@@ -129,24 +150,36 @@ __device__ __forceinline__ float finish_lse(LseState state) {
   return state.sum == 0.f ? -INFINITY : lse_base(state.max) + __logf(state.sum);
 }
 
-// The row's lse over its pieces, on every lane with the same bits: lane l reads pieces l, l + 32, ...
-// (piece_lse[k * piece_stride] is piece k's lse), then a warp max and a warp sum of exp(lse_k - max).
-__device__ float warp_row_lse(const float* piece_lse, int64_t piece_stride, int num_pieces, int lane) {
+// `state`'s sum relative to base `max` (>= state.max, finite).
+__device__ __forceinline__ float rebased_sum(LseState state, float max) {
+  return state.max == -INFINITY ? state.sum : state.sum * __expf(state.max - max);
+}
+
+__device__ __forceinline__ LseState merge(LseState a, LseState b) {
+  const float max = fmaxf(a.max, b.max);
+  if (max == -INFINITY) return {max, a.sum + b.sum};
+  return {max, rebased_sum(a, max) + rebased_sum(b, max)};
+}
+
+// LseState of pieces first + lane, first + lane + step, ... (< num_pieces) of one row, reduced over the warp;
+// every lane returns the same bits. piece_lse[k * piece_stride] is piece k's lse.
+template <int kHeld>
+__device__ LseState warp_lse_state(const float* piece_lse, int64_t piece_stride, int num_pieces, int first, int step,
+                                   int lane) {
   // The first kHeld rounds are loaded before any is used and kept in registers for the second pass; more pieces
   // than that (more SM parts than an H100 has) are read again.
-  constexpr int kHeld = 4;
   float held[kHeld];
 #pragma unroll
   for (int i = 0; i < kHeld; ++i) {
-    const int k = lane + i * kWarpSize;
+    const int k = first + lane + i * step;
     held[i] = k < num_pieces ? __ldcg(piece_lse + k * piece_stride) : -INFINITY;
   }
-  const int rest = lane + kHeld * kWarpSize;
+  const int rest = first + lane + kHeld * step;
   float max = -INFINITY;
 #pragma unroll
   for (int i = 0; i < kHeld; ++i) max = fmaxf(max, held[i]);
 #pragma unroll 1
-  for (int k = rest; k < num_pieces; k += kWarpSize) max = fmaxf(max, __ldcg(piece_lse + k * piece_stride));
+  for (int k = rest; k < num_pieces; k += step) max = fmaxf(max, __ldcg(piece_lse + k * piece_stride));
   max = warp_max(max);
 
   const float base = lse_base(max);
@@ -154,8 +187,8 @@ __device__ float warp_row_lse(const float* piece_lse, int64_t piece_stride, int 
 #pragma unroll
   for (int i = 0; i < kHeld; ++i) sum += __expf(held[i] - base);   // -inf (absent, or no key) adds 0
 #pragma unroll 1
-  for (int k = rest; k < num_pieces; k += kWarpSize) sum += __expf(__ldcg(piece_lse + k * piece_stride) - base);
-  return finish_lse({max, warp_sum(sum)});
+  for (int k = rest; k < num_pieces; k += step) sum += __expf(__ldcg(piece_lse + k * piece_stride) - base);
+  return {max, warp_sum(sum)};
 }
 
 // Warp 0 fills `list` (prologue: metadata and num_splits only). Sequence s is listed when an SM part starts with
@@ -184,7 +217,7 @@ __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int 
   count = min(count, kMaxSplitSeqs);
   __syncwarp();
 
-  int items_before = 0;
+  int cta_items_before = 0, warp_items_before = 0;
   for (int base = 0; base < count; base += kRounds * kWarpSize) {
     int first[kRounds], end[kRounds];
 #pragma unroll
@@ -201,31 +234,141 @@ __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int 
       // Workspace slots exist for [0, batch + num_sm_parts): num_splits of another plan must not lead past them.
       const bool valid = j < count && first[i] >= 0 && end[i] - first[i] >= 2 && end[i] <= p.batch + p.num_sm_parts;
       const int pieces = valid ? end[i] - first[i] : 0;
-      const int items = valid ? items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
-      const int inclusive = warp_inclusive_scan(items, lane);
+      const int cta_items = valid ? cta_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
+      const int warp_items = valid ? warp_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
+      const int cta_inclusive = warp_inclusive_scan(cta_items, lane);
+      const int warp_inclusive = warp_inclusive_scan(warp_items, lane);
       if (j < count) {
         list.first_slot[j] = first[i];
         list.num_pieces[j] = pieces;
-        list.first_item[j] = items_before + inclusive - items;
+        list.first_cta_item[j] = cta_items_before + cta_inclusive - cta_items;
+        list.first_warp_item[j] = warp_items_before + warp_inclusive - warp_items;
       }
-      items_before += __shfl_sync(kFullMask, inclusive, kWarpSize - 1);
+      cta_items_before += __shfl_sync(kFullMask, cta_inclusive, kWarpSize - 1);
+      warp_items_before += __shfl_sync(kFullMask, warp_inclusive, kWarpSize - 1);
     }
   }
   if (lane == 0) {
     list.count = count;
-    list.total_items = items_before;
+    list.total_cta_items = cta_items_before;
+    list.total_warp_items = warp_items_before;
   }
 }
 
-// The list entry that owns `item`: the last one whose first_item <= item (entries without items share their
-// first_item with the next one, which then wins).
-__device__ int entry_of_item(const WorkList& list, int item) {
+// The list entry that owns `item` of one item space (first_item: that space's prefix array): the last entry whose
+// first item is <= item (entries without items share their first item with the next one, which then wins).
+__device__ int entry_of_item(const WorkList& list, const int* first_item, int item) {
   int lo = 0, hi = list.count - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (list.first_item[mid] <= item) lo = mid; else hi = mid - 1;
+    if (first_item[mid] <= item) lo = mid; else hi = mid - 1;
   }
   return lo;
+}
+
+// Shared memory of the CTA items: the warps' lse states and the piece groups' sums.
+struct CtaItemShared {
+  LseState warp_states[kCombineWarps];
+  float4 group_sums[CtaTile::kGroups - 1][CtaTile::kColThreads];
+};
+
+// Out (and lse) of one packed row's converted, sink-scaled columns [col0, col0 + 4 * kVecs * stride) where this
+// thread holds float4 v at column col0 + 4 * (v * stride + col_lane).
+template <class Element, int kVecs>
+__device__ __forceinline__ void store_row(const DecodeParams& p, int seq, int kv_head, int row, int col0, int stride,
+                                          int col_lane, const float4 (&acc)[kVecs], float lse, float sink,
+                                          bool write_lse) {
+  const bool saw_key = lse != -INFINITY;           // NaN counts as seen: it must reach out
+  // Attention sink, as the split kernel's epilogue does for unsplit rows. A row with no key keeps out 0 (its
+  // acc is 0; the factor is not even computed, so a -inf sink cannot turn it into NaN).
+  const float sink_scale = saw_key && sink != -INFINITY ? 1.f / (1.f + __expf(sink - lse)) : 1.f;
+  const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+  Element* out = static_cast<Element*>(p.out) +
+                 ((int64_t(seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV + col0;
+  struct alignas(8) Quad { Element v[4]; };
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    const float4 x = acc[v];
+    reinterpret_cast<Quad*>(out)[v * stride + col_lane] =
+        Quad{{static_cast<Element>(x.x * sink_scale), static_cast<Element>(x.y * sink_scale),
+              static_cast<Element>(x.z * sink_scale), static_cast<Element>(x.w * sink_scale)}};
+  }
+  if (write_lse) p.lse[(int64_t(seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+}
+
+__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
+  acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y); acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
+}
+
+// One CTA item: `local_item` of the sequence's CTA items (KV-head major, then packed row, then 64-column chunk).
+template <class Element>
+__device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
+                                 CtaItemShared& shared) {
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  const int group = threadIdx.x / CtaTile::kColThreads, col_thread = threadIdx.x % CtaTile::kColThreads;
+  const int per_head = p.rows_per_kv * CtaTile::kChunks;
+  const int kv_head = local_item / per_head;
+  const int row = local_item % per_head / CtaTile::kChunks;          // packed query row
+  const int chunk = local_item % CtaTile::kChunks;
+
+  // Partial row `row` of piece k: ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
+  const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
+  const int64_t first_partial_row = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
+  const float* piece_lse = p.lse_partial + first_partial_row;                                  // [k * piece_stride]
+  const float4* piece_o = reinterpret_cast<const float4*>(p.o_partial + first_partial_row * kHeadDimV +
+                                                          chunk * CtaTile::kCols) + col_thread;
+  const int64_t piece_o_stride = piece_stride * (kHeadDimV / 4);                               // in float4s
+
+  // ---- first batch of this thread's pieces (group + i * kGroups), before the row's lse is known ---------------
+  // A piece index past the end re-reads the last piece (its weight is never applied).
+  float4 o[CtaTile::kBatch];
+  float o_lse[CtaTile::kBatch];
+  auto load_batch = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < CtaTile::kBatch; ++i) {
+      const int k = min(first + i * CtaTile::kGroups, num_pieces - 1);
+      o_lse[i] = __ldcg(piece_lse + k * piece_stride);
+      o[i] = __ldcg(piece_o + k * piece_o_stride);
+    }
+  };
+  load_batch(group);
+  const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+  const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
+
+  // ---- the row's lse: each warp over pieces warp * 32 + lane, + 256, ...; the warps' states in warp order -------
+  const LseState mine = warp_lse_state<1>(piece_lse, piece_stride, num_pieces, warp * kWarpSize, kCombineThreads,
+                                          lane);
+  if (lane == 0) shared.warp_states[warp] = mine;
+  __syncthreads();
+  LseState state = shared.warp_states[0];
+#pragma unroll
+  for (int w = 1; w < kCombineWarps; ++w) state = merge(state, shared.warp_states[w]);
+  const float lse = finish_lse(state);
+
+  // ---- out = sum_k exp(lse_k - lse) O_k over this thread's pieces, then the groups in group order --------------
+  float4 acc[1] = {make_float4(0.f, 0.f, 0.f, 0.f)};
+  if (lse != -INFINITY) {
+#pragma unroll 1
+    for (int first = group; first < num_pieces; first += CtaTile::kBatch * CtaTile::kGroups) {
+      if (first != group) load_batch(first);
+#pragma unroll
+      for (int i = 0; i < CtaTile::kBatch; ++i) {
+        if (first + i * CtaTile::kGroups < num_pieces) add_weighted(acc[0], __expf(o_lse[i] - lse), o[i]);
+      }
+    }
+  }
+  if (group > 0) shared.group_sums[group - 1][col_thread] = acc[0];
+  __syncthreads();
+  if (group == 0) {
+#pragma unroll
+    for (int g = 1; g < CtaTile::kGroups; ++g) {
+      const float4 x = shared.group_sums[g - 1][col_thread];
+      acc[0].x += x.x; acc[0].y += x.y; acc[0].z += x.z; acc[0].w += x.w;
+    }
+    store_row<Element, 1>(p, seq, kv_head, row, chunk * CtaTile::kCols, 0, col_thread, acc, lse, sink,
+                          chunk == 0 && col_thread == 0);
+  }
+  __syncthreads();    // the next item reuses the shared memory
 }
 
 // One warp item: `local_item` of the sequence's items (KV-head major, then packed row, then column slice).
@@ -239,7 +382,7 @@ __device__ void combine_slice(const DecodeParams& p, int seq, int first_slot, in
   const int kv_head = local_item / per_head;
   const int row = local_item % per_head / Shape::kSlices;            // packed query row
   const int slice = local_item % Shape::kSlices;
-  const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+  const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
 
   // Partial row `row` of piece k: ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
   const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
@@ -267,14 +410,13 @@ __device__ void combine_slice(const DecodeParams& p, int seq, int first_slot, in
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
 
   // ---- the row's lse over all its pieces (every lane gets the same bits) -------------------------------------------
-  const float lse = warp_row_lse(piece_lse, piece_stride, num_pieces, lane);
-  const bool saw_key = lse != -INFINITY;           // NaN counts as seen: it must reach out
+  const float lse = finish_lse(warp_lse_state<1>(piece_lse, piece_stride, num_pieces, 0, kWarpSize, lane));
 
   // ---- out = sum_k exp(lse_k - lse) O_k: this lane's pieces in order, then the groups (xor tree) ----------------
   float4 acc[Shape::kVecs];
 #pragma unroll
   for (int v = 0; v < Shape::kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (saw_key) {
+  if (lse != -INFINITY) {
 #pragma unroll 1
     for (int first = group; first < num_pieces; first += Shape::kBatch * Shape::kGroups) {
       if (first != group) load_batch(first);
@@ -283,10 +425,7 @@ __device__ void combine_slice(const DecodeParams& p, int seq, int first_slot, in
         if (first + i * Shape::kGroups < num_pieces) {
           const float w = __expf(o_lse[i] - lse);
 #pragma unroll
-          for (int v = 0; v < Shape::kVecs; ++v) {
-            acc[v].x = fmaf(w, o[i][v].x, acc[v].x); acc[v].y = fmaf(w, o[i][v].y, acc[v].y);
-            acc[v].z = fmaf(w, o[i][v].z, acc[v].z); acc[v].w = fmaf(w, o[i][v].w, acc[v].w);
-          }
+          for (int v = 0; v < Shape::kVecs; ++v) add_weighted(acc[v], w, o[i][v]);
         }
       }
     }
@@ -302,20 +441,8 @@ __device__ void combine_slice(const DecodeParams& p, int seq, int first_slot, in
 
   // ---- sink, convert, store (group 0's lanes; lane 0 of slice 0 writes the lse) ---------------------------------
   if (group == 0) {
-    // Attention sink, as the split kernel's epilogue does for unsplit rows. A row with no key keeps out 0 (its
-    // acc is 0; the factor is not even computed, so a -inf sink cannot turn it into NaN).
-    const float sink_scale = saw_key && sink != -INFINITY ? 1.f / (1.f + __expf(sink - lse)) : 1.f;
-    Element* out = static_cast<Element*>(p.out) +
-                   ((int64_t(seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV + slice * kCols;
-    struct alignas(8) Quad { Element v[4]; };
-#pragma unroll
-    for (int v = 0; v < Shape::kVecs; ++v) {
-      const float4 x = acc[v];
-      reinterpret_cast<Quad*>(out)[v * Shape::kColLanes + col_lane] =
-          Quad{{static_cast<Element>(x.x * sink_scale), static_cast<Element>(x.y * sink_scale),
-                static_cast<Element>(x.z * sink_scale), static_cast<Element>(x.w * sink_scale)}};
-    }
-    if (slice == 0 && lane == 0) p.lse[(int64_t(seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+    store_row<Element, Shape::kVecs>(p, seq, kv_head, row, slice * kCols, Shape::kColLanes, col_lane, acc, lse, sink,
+                                     slice == 0 && lane == 0);
   }
 }
 
@@ -323,6 +450,7 @@ template <class Element>
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinCtasPerSm)
 mla_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ WorkList list;
+  __shared__ CtaItemShared cta_shared;
 
   // ---- 1. prologue: only data of kernels that finished before the split kernel started -------------------------
   if (threadIdx.x < kWarpSize) list_split_sequences(p, list, threadIdx.x);
@@ -331,22 +459,29 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
   // ---- 2. the split kernel's results are complete from here on --------------------------------------------------
   wait_for_split_kernel();
 
-  // ---- 3. warp items, grid-strided; every branch below is uniform across the warp -------------------------------
+  // ---- 3a. CTA items (sequences of many pieces), grid-strided over CTAs; branches uniform across the CTA -------
+#pragma unroll 1
+  for (int item = blockIdx.x; item < list.total_cta_items; item += gridDim.x) {
+    const int entry = entry_of_item(list, list.first_cta_item, item);
+    combine_cta_item<Element>(p, list.seq[entry], list.first_slot[entry], list.num_pieces[entry],
+                              item - list.first_cta_item[entry], cta_shared);
+  }
+
+  // ---- 3b. warp items (sequences of few pieces), grid-strided over warps; branches uniform across the warp -----
   const int lane = threadIdx.x % kWarpSize;
   const int total_warps = gridDim.x * kCombineWarps;
 #pragma unroll 1
-  for (int item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < list.total_items; item += total_warps) {
-    const int entry = entry_of_item(list, item);
+  for (int item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < list.total_warp_items;
+       item += total_warps) {
+    const int entry = entry_of_item(list, list.first_warp_item, item);
     const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
-    const int local_item = item - list.first_item[entry];
+    const int local_item = item - list.first_warp_item[entry];
     switch (slice_cols(num_pieces)) {
       case 512: combine_slice<Element, 512>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 256: combine_slice<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 128: combine_slice<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 64: combine_slice<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 32: combine_slice<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 16: combine_slice<Element, 16>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      default: combine_slice<Element, kMinSliceCols>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      default: combine_slice<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
     }
   }
 }
@@ -377,12 +512,15 @@ void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   // Each split sequence has exactly one SM part starting with its piece 1, and part 0 starts with a piece 0.
   const int max_split = std::min(p.batch, p.num_sm_parts - 1);
   if (max_split <= 0) return;                      // one SM part: no sequence was split
-  // Items are counted on the device; bound them here to size the grid. A sequence of n pieces has
-  // rows * 512 / slice_cols(n) <= rows * n items per KV head (slice_cols(n) >= 512 / n), and the split
-  // sequences' pieces number at most 2 * num_sm_parts (a part holds at most two pieces of split sequences: its
-  // first and its last), hence the bound below.
-  const int64_t max_items = int64_t(p.num_heads_k) * p.rows_per_kv * 2 * p.num_sm_parts;
-  const int64_t max_ctas = (max_items + kCombineWarps - 1) / kCombineWarps;
+  // Items are counted on the device; bound them here to size the grid. A sequence of n <= kWarpItemMaxPieces
+  // pieces has rows * 512 / slice_cols(n) <= rows * n warp items per KV head (slice_cols(n) >= 512 / n), and the
+  // split sequences' pieces number at most 2 * num_sm_parts (a part holds at most two pieces of split sequences:
+  // its first and its last). A sequence with n > kWarpItemMaxPieces pieces starts n - 1 >= kWarpItemMaxPieces
+  // parts with a piece k >= 1, so at most (num_sm_parts - 1) / kWarpItemMaxPieces sequences have CTA items.
+  const int64_t rows = int64_t(p.num_heads_k) * p.rows_per_kv;
+  const int64_t max_warp_items = rows * 2 * p.num_sm_parts;
+  const int64_t max_cta_items = rows * CtaTile::kChunks * ((p.num_sm_parts - 1) / kWarpItemMaxPieces);
+  const int64_t max_ctas = std::max((max_warp_items + kCombineWarps - 1) / kCombineWarps, max_cta_items);
   const int ctas = static_cast<int>(std::min<int64_t>(max_ctas, resident_ctas<Element>()));
 
   cudaLaunchConfig_t config{};
