@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from flash_mla import get_mla_metadata
-from flash_mla.scheduler import pieces_of_part
+from flash_mla.scheduler import pieces_of_part, schedule
 
 PAGE = 64
 OVERHEAD = 5   # FIXED_OVERHEAD of the SPEC, written out here on purpose
@@ -298,3 +298,37 @@ def test_deterministic():
     a = get_mla_metadata(lens, 64, 1)
     b = get_mla_metadata(lens.clone(), 64, 1)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the twin's min_payload hook (benchmarks/plan_policy.py times plans made with it on the GPU)
+
+@pytest.mark.parametrize("seqlens", [[32768], [131072], [32768] * 4, [4641, 45118, 1730, 1696], [4096] * 32,
+                                     [0, 20000, 0, 65, 1]])
+@pytest.mark.parametrize("floor", [0, 9, 13, 21, 37, 10_000])
+def test_min_payload_plans_are_valid(seqlens, floor):
+    """Any floor gives a plan the kernels accept: every page of every sequence in exactly one piece, slots
+    0..n-1 per sequence, parts without work only at the end (begin_seq = b), never more pieces than floor 0."""
+    parts = 132
+    md, ns = schedule(seqlens, parts, min_payload=floor)
+    base_md, base_ns = schedule(seqlens, parts)
+    if floor <= -(-(sum(-(-L // PAGE) + OVERHEAD for L in seqlens)) // parts) + OVERHEAD:
+        assert (md, ns) == (base_md, base_ns), "a floor below the payload changes nothing"
+    b = len(seqlens)
+    assert len(md) == parts and ns[0] == 0 and len(ns) == b + 1
+    covered = [[] for _ in seqlens]
+    empty_seen = False
+    for row in md:
+        if row[0] == b:
+            empty_seen = True
+            assert pieces_of_part(row, seqlens, ns) == []
+            continue
+        assert not empty_seen, "work after an empty part"
+        for pc in pieces_of_part(row, seqlens, ns):
+            covered[pc.seq].append(pc)
+    for seq, pieces in enumerate(covered):
+        assert [pc.split_idx for pc in pieces] == list(range(len(pieces))) == \
+            list(range(ns[seq + 1] - ns[seq])), (seq, pieces)
+        assert pieces[0].begin_token == 0 and pieces[-1].end_token == seqlens[seq]
+        assert all(a.end_token == c.begin_token for a, c in zip(pieces, pieces[1:]))
+        assert len(pieces) <= base_ns[seq + 1] - base_ns[seq]
