@@ -373,7 +373,7 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
 
 // One warp item: `local_item` of the sequence's items (KV-head major, then packed row, then column slice).
 template <class Element, int kCols>
-__device__ void combine_slice(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
+__device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
                               int lane) {
   using Shape = SliceShape<kCols>;
   const int col_lane = lane % Shape::kColLanes;
@@ -477,11 +477,11 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
     const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
     const int local_item = item - list.first_warp_item[entry];
     switch (slice_cols(num_pieces)) {
-      case 512: combine_slice<Element, 512>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 256: combine_slice<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 128: combine_slice<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 64: combine_slice<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      default: combine_slice<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 512: combine_warp_item<Element, 512>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 256: combine_warp_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 128: combine_warp_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 64: combine_warp_item<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      default: combine_warp_item<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
     }
   }
 }
