@@ -10,7 +10,6 @@ is checked against the float32 reference before it is timed.
 """
 import argparse
 import os
-import statistics
 import sys
 
 import torch
@@ -18,33 +17,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flash_mla
 from flash_mla.backends import select_backend
-from flash_mla.testing import (assert_close, compare, decode_flops_and_bytes, make_decode_batch,
-                               reference_for)
+from flash_mla.testing import (assert_close, compare, cuda_graph_median_seconds, decode_flops_and_bytes,
+                               make_decode_batch, reference_for)
 
 COPY_BYTES_PER_S = 3.0e12     # device-to-device copy ceiling on the H100 (docs/PERF.md "Ceilings")
-
-
-def graph_median_seconds(fn, calls=20, reps=15):
-    """Median seconds per fn() call: `calls` calls captured in one CUDA graph, each replay timed by CUDA events."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):           # warm-up off the capture (allocator, Triton compiles)
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / calls)
-    return statistics.median(times)
 
 
 def bench_one(length, h_q, dtype, num_sms, backend, reps):
@@ -58,7 +34,7 @@ def bench_one(length, h_q, dtype, num_sms, backend, reps):
                                                 md, ns, causal=True, backend=backend)
 
     assert_close(compare(*call(), *reference_for(batch, on_device=True)), dtype, f"L={length} h_q={h_q}")
-    return int(ns[1] - ns[0]), graph_median_seconds(call, reps=reps)
+    return int(ns[1] - ns[0]), cuda_graph_median_seconds([call] * 20, reps=reps)
 
 
 def main():

@@ -14,7 +14,6 @@ time, GB/s and the time relative to the current policy (floor 0).
 import argparse
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -22,7 +21,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import flash_mla
 from flash_mla.scheduler import num_sm_parts_for, schedule
-from flash_mla.testing import assert_close, compare, decode_flops_and_bytes, make_decode_batch, reference_for
+from flash_mla.testing import (assert_close, compare, cuda_graph_median_seconds, decode_flops_and_bytes,
+                               make_decode_batch, reference_for)
 
 # (name, seqlens, s_q, h_q): the referee's beyond-table rows where the payload is small enough for a floor to bite
 WORKLOADS = [
@@ -40,30 +40,6 @@ WORKLOADS = [
     ("b=32 L=4096 h=16 s=8", [4096] * 32, 8, 16),
 ]
 COPIES_BYTES = 256 * 1024 ** 2     # as the referee: enough cache copies that L2 cannot hold them
-
-
-def graph_median_seconds(calls, reps=12):
-    """Median seconds per call of the list `calls`, all captured in one CUDA graph."""
-    for fn in calls[:2]:
-        fn()
-    torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return statistics.median(times)
 
 
 def time_workload(name, lens, s_q, h_q, floors, num_sms):
@@ -88,7 +64,7 @@ def time_workload(name, lens, s_q, h_q, floors, num_sms):
                                                     512, md, ns, causal=True)
 
         assert_close(compare(*call(batch.k_cache), *ref), torch.bfloat16, f"{name} floor={floor}")
-        seconds = graph_median_seconds([lambda k=k: call(k) for k in caches * max(1, 8 // copies)])
+        seconds = cuda_graph_median_seconds([lambda k=k: call(k) for k in caches * max(1, 8 // copies)], reps=12)
         base = base or seconds
         rows.append((name, floor, pieces, seconds))
         print(f"{name:<22} {floor:>5} {pieces:>6} {seconds * 1e6:>8.1f} {nbytes / seconds / 1e9:>6.0f} "

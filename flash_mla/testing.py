@@ -154,6 +154,32 @@ def cuda_median_seconds(fn: Callable[[], object], reps: int = 15, calls_per_rep:
     return statistics.median(times)
 
 
+def cuda_graph_median_seconds(fns: Sequence[Callable[[], object]], reps: int = 15) -> float:
+    """Median seconds per call of `fns`, all captured in order in one CUDA graph and replayed `reps` times (each
+    replay timed by CUDA events): no launch overhead, as in an engine that captures its decode step. The first
+    call of each distinct fn runs once on a side stream before the capture (allocator, Triton compiles)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for fn in {id(fn): fn for fn in fns}.values():
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / len(fns))
+    return statistics.median(times)
+
+
 def cpu_median_seconds(fn: Callable[[], object], reps: int = 5, calls_per_rep: int = 1, warmup: int = 1) -> float:
     """Median wall-clock seconds per fn() call (host timing: CPU work, or host-side overhead of a GPU call)."""
     for _ in range(warmup):
