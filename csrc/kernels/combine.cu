@@ -163,33 +163,83 @@ __device__ __forceinline__ LseState merge(LseState a, LseState b) {
 
 // LseState of pieces first + lane, first + lane + step, ... (< num_pieces) of one row, reduced over the warp;
 // every lane returns the same bits. piece_lse[k * piece_stride] is piece k's lse.
-template <int kHeld>
 __device__ LseState warp_lse_state(const float* piece_lse, int64_t piece_stride, int num_pieces, int first, int step,
                                    int lane) {
-  // The first kHeld rounds are loaded before any is used and kept in registers for the second pass; more pieces
-  // than that (more SM parts than an H100 has) are read again.
-  float held[kHeld];
-#pragma unroll
-  for (int i = 0; i < kHeld; ++i) {
-    const int k = first + lane + i * step;
-    held[i] = k < num_pieces ? __ldcg(piece_lse + k * piece_stride) : -INFINITY;
-  }
-  const int rest = first + lane + kHeld * step;
-  float max = -INFINITY;
-#pragma unroll
-  for (int i = 0; i < kHeld; ++i) max = fmaxf(max, held[i]);
+  // The first piece of each lane is loaded once and kept for the second pass; more pieces than one per lane (more
+  // than 32 for a warp item, 256 for a CTA item) are read again.
+  const int k0 = first + lane;
+  const float held = k0 < num_pieces ? __ldcg(piece_lse + k0 * piece_stride) : -INFINITY;
+  float max = held;
 #pragma unroll 1
-  for (int k = rest; k < num_pieces; k += step) max = fmaxf(max, __ldcg(piece_lse + k * piece_stride));
+  for (int k = k0 + step; k < num_pieces; k += step) max = fmaxf(max, __ldcg(piece_lse + k * piece_stride));
   max = warp_max(max);
 
   const float base = lse_base(max);
-  float sum = 0.f;
-#pragma unroll
-  for (int i = 0; i < kHeld; ++i) sum += __expf(held[i] - base);   // -inf (absent, or no key) adds 0
+  float sum = __expf(held - base);   // -inf (absent, or no key) adds 0
 #pragma unroll 1
-  for (int k = rest; k < num_pieces; k += step) sum += __expf(__ldcg(piece_lse + k * piece_stride) - base);
+  for (int k = k0 + step; k < num_pieces; k += step) sum += __expf(__ldcg(piece_lse + k * piece_stride) - base);
   return {max, warp_sum(sum)};
 }
+
+__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
+  acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y); acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
+}
+
+// One thread's share of one packed row's partials: pieces group, group + kGroups, ... and kVecs float4 columns
+// (col0 / 4 + col_lane + v * kColStride) of each, read kBatch pieces at a time. Both item kinds use it; they
+// differ in how many groups and columns a thread's row share has.
+template <int kBatch, int kVecs, int kGroups, int kColStride>
+struct PieceReader {
+  const float* piece_lse;       // [k * piece_stride]: piece k's lse of the row
+  const float4* piece_o;        // [k * piece_o_stride + v * kColStride]: this thread's float4 v of piece k
+  int64_t piece_stride, piece_o_stride;
+  int num_pieces, group;
+  float4 o[kBatch][kVecs];      // (PIECE, VEC): the batch in flight
+  float o_lse[kBatch];
+
+  // Partial row `row` of piece k is row ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row of the workspace.
+  __device__ PieceReader(const DecodeParams& p, int first_slot, int num_pieces_, int kv_head, int row, int col0,
+                         int col_lane, int group_)
+      : piece_stride(int64_t(p.num_heads_k) * p.rows_per_kv), num_pieces(num_pieces_), group(group_) {
+    const int64_t first_partial_row = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
+    piece_lse = p.lse_partial + first_partial_row;
+    piece_o = reinterpret_cast<const float4*>(p.o_partial + first_partial_row * kHeadDimV + col0) + col_lane;
+    piece_o_stride = piece_stride * (kHeadDimV / 4);
+  }
+
+  // The batch of pieces first + i * kGroups. A piece index past the end re-reads the last piece (its weight is
+  // never applied): the arrays are then always fully written, which keeps the next batch's loads from needing
+  // registers of their own.
+  __device__ void load(int first) {
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int k = min(first + i * kGroups, num_pieces - 1);
+      o_lse[i] = __ldcg(piece_lse + k * piece_stride);
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) o[i][v] = __ldcg(piece_o + k * piece_o_stride + v * kColStride);
+    }
+  }
+
+  // acc = sum over this thread's pieces, in order, of exp(lse_k - lse) O_k; the first batch (load(group)) was
+  // issued before the row's lse was known. A row with no key (lse -inf) keeps acc 0.
+  __device__ void accumulate(float lse, float4 (&acc)[kVecs]) {
+#pragma unroll
+    for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (lse == -INFINITY) return;
+#pragma unroll 1
+    for (int first = group; first < num_pieces; first += kBatch * kGroups) {
+      if (first != group) load(first);
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        if (first + i * kGroups < num_pieces) {
+          const float w = __expf(o_lse[i] - lse);
+#pragma unroll
+          for (int v = 0; v < kVecs; ++v) add_weighted(acc[v], w, o[i][v]);
+        }
+      }
+    }
+  }
+};
 
 // Warp 0 fills `list` (prologue: metadata and num_splits only). Sequence s is listed when an SM part starts with
 // its piece 1, in part order (= sequence order).
@@ -296,10 +346,6 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int seq, int kv
   if (write_lse) p.lse[(int64_t(seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
 }
 
-__device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
-  acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y); acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
-}
-
 // One CTA item: `local_item` of the sequence's CTA items (KV-head major, then packed row, then 64-column chunk).
 template <class Element>
 __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
@@ -311,33 +357,16 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   const int row = local_item % per_head / CtaTile::kChunks;          // packed query row
   const int chunk = local_item % CtaTile::kChunks;
 
-  // Partial row `row` of piece k: ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
-  const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
-  const int64_t first_partial_row = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
-  const float* piece_lse = p.lse_partial + first_partial_row;                                  // [k * piece_stride]
-  const float4* piece_o = reinterpret_cast<const float4*>(p.o_partial + first_partial_row * kHeadDimV +
-                                                          chunk * CtaTile::kCols) + col_thread;
-  const int64_t piece_o_stride = piece_stride * (kHeadDimV / 4);                               // in float4s
-
-  // ---- first batch of this thread's pieces (group + i * kGroups), before the row's lse is known ---------------
-  // A piece index past the end re-reads the last piece (its weight is never applied).
-  float4 o[CtaTile::kBatch];
-  float o_lse[CtaTile::kBatch];
-  auto load_batch = [&](int first) {
-#pragma unroll
-    for (int i = 0; i < CtaTile::kBatch; ++i) {
-      const int k = min(first + i * CtaTile::kGroups, num_pieces - 1);
-      o_lse[i] = __ldcg(piece_lse + k * piece_stride);
-      o[i] = __ldcg(piece_o + k * piece_o_stride);
-    }
-  };
-  load_batch(group);
+  // ---- first batch of this thread's pieces, before the row's lse is known ---------------------------------------
+  PieceReader<CtaTile::kBatch, 1, CtaTile::kGroups, 0> reader(p, first_slot, num_pieces, kv_head, row,
+                                                              chunk * CtaTile::kCols, col_thread, group);
+  reader.load(group);
   const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
 
   // ---- the row's lse: each warp over pieces warp * 32 + lane, + 256, ...; the warps' states in warp order -------
-  const LseState mine = warp_lse_state<1>(piece_lse, piece_stride, num_pieces, warp * kWarpSize, kCombineThreads,
-                                          lane);
+  const LseState mine = warp_lse_state(reader.piece_lse, reader.piece_stride, num_pieces, warp * kWarpSize,
+                                       kCombineThreads, lane);
   if (lane == 0) shared.warp_states[warp] = mine;
   __syncthreads();
   LseState state = shared.warp_states[0];
@@ -346,17 +375,8 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   const float lse = finish_lse(state);
 
   // ---- out = sum_k exp(lse_k - lse) O_k over this thread's pieces, then the groups in group order --------------
-  float4 acc[1] = {make_float4(0.f, 0.f, 0.f, 0.f)};
-  if (lse != -INFINITY) {
-#pragma unroll 1
-    for (int first = group; first < num_pieces; first += CtaTile::kBatch * CtaTile::kGroups) {
-      if (first != group) load_batch(first);
-#pragma unroll
-      for (int i = 0; i < CtaTile::kBatch; ++i) {
-        if (first + i * CtaTile::kGroups < num_pieces) add_weighted(acc[0], __expf(o_lse[i] - lse), o[i]);
-      }
-    }
-  }
+  float4 acc[1];
+  reader.accumulate(lse, acc);
   if (group > 0) shared.group_sums[group - 1][col_thread] = acc[0];
   __syncthreads();
   if (group == 0) {
@@ -374,7 +394,7 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
 // One warp item: `local_item` of the sequence's items (KV-head major, then packed row, then column slice).
 template <class Element, int kCols>
 __device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
-                              int lane) {
+                                  int lane) {
   using Shape = SliceShape<kCols>;
   const int col_lane = lane % Shape::kColLanes;
   const int group = lane / Shape::kColLanes;
@@ -384,52 +404,18 @@ __device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot
   const int slice = local_item % Shape::kSlices;
   const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
 
-  // Partial row `row` of piece k: ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row.
-  const int64_t piece_stride = int64_t(p.num_heads_k) * p.rows_per_kv;
-  const int64_t first_partial_row = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
-  const float* piece_lse = p.lse_partial + first_partial_row;                                  // [k * piece_stride]
-  const float4* piece_o = reinterpret_cast<const float4*>(p.o_partial + first_partial_row * kHeadDimV +
-                                                          slice * kCols) + col_lane;
-  const int64_t piece_o_stride = piece_stride * (kHeadDimV / 4);                               // in float4s
-
-  // ---- first batch of this lane's pieces, O_k and lse_k, before the row's lse is known -------------------------
-  float4 o[Shape::kBatch][Shape::kVecs];     // (PIECE, VEC): pieces group + i * kGroups, float4 columns v * kColLanes
-  float o_lse[Shape::kBatch];
-  // A piece index past the end re-reads the last piece (its weight is never applied): the arrays are then always
-  // fully written, which keeps the next batch's loads from needing registers of their own.
-  auto load_batch = [&](int first) {
-#pragma unroll
-    for (int i = 0; i < Shape::kBatch; ++i) {
-      const int k = min(first + i * Shape::kGroups, num_pieces - 1);
-      o_lse[i] = __ldcg(piece_lse + k * piece_stride);
-#pragma unroll
-      for (int v = 0; v < Shape::kVecs; ++v) o[i][v] = __ldcg(piece_o + k * piece_o_stride + v * Shape::kColLanes);
-    }
-  };
-  load_batch(group);
+  // ---- first batch of this lane's pieces, before the row's lse is known -----------------------------------------
+  PieceReader<Shape::kBatch, Shape::kVecs, Shape::kGroups, Shape::kColLanes> reader(
+      p, first_slot, num_pieces, kv_head, row, slice * kCols, col_lane, group);
+  reader.load(group);
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
 
   // ---- the row's lse over all its pieces (every lane gets the same bits) -------------------------------------------
-  const float lse = finish_lse(warp_lse_state<1>(piece_lse, piece_stride, num_pieces, 0, kWarpSize, lane));
+  const float lse = finish_lse(warp_lse_state(reader.piece_lse, reader.piece_stride, num_pieces, 0, kWarpSize, lane));
 
   // ---- out = sum_k exp(lse_k - lse) O_k: this lane's pieces in order, then the groups (xor tree) ----------------
   float4 acc[Shape::kVecs];
-#pragma unroll
-  for (int v = 0; v < Shape::kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
-  if (lse != -INFINITY) {
-#pragma unroll 1
-    for (int first = group; first < num_pieces; first += Shape::kBatch * Shape::kGroups) {
-      if (first != group) load_batch(first);
-#pragma unroll
-      for (int i = 0; i < Shape::kBatch; ++i) {
-        if (first + i * Shape::kGroups < num_pieces) {
-          const float w = __expf(o_lse[i] - lse);
-#pragma unroll
-          for (int v = 0; v < Shape::kVecs; ++v) add_weighted(acc[v], w, o[i][v]);
-        }
-      }
-    }
-  }
+  reader.accumulate(lse, acc);
 #pragma unroll
   for (int offset = Shape::kColLanes; offset < kWarpSize; offset *= 2) {
 #pragma unroll
