@@ -312,7 +312,7 @@ def test_min_payload_plans_are_valid(seqlens, floor):
     parts = 132
     md, ns = schedule(seqlens, parts, min_payload=floor)
     base_md, base_ns = schedule(seqlens, parts)
-    if floor <= -(-(sum(-(-L // PAGE) + OVERHEAD for L in seqlens)) // parts) + OVERHEAD:
+    if floor <= spec_payload(seqlens, parts):
         assert (md, ns) == (base_md, base_ns), "a floor below the payload changes nothing"
     b = len(seqlens)
     assert len(md) == parts and ns[0] == 0 and len(ns) == b + 1
