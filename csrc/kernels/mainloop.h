@@ -18,8 +18,9 @@
 // (e^x here means exp2 of x times the softmax scale.) So one warpgroup's softmax runs while the other's WGMMAs
 // do, and S_b overlaps everything kPageA does between S_a and its wait for P_b. Rescales are skipped by warps
 // whose row maxima did not move (the common case); kPageB, which moves P_a to m_b instead of rescaling O_R
-// twice, issues both of its P V back to back. kPageA waits for P_a V_a before P_b V_b in every warp: a wait
-// taken by only some warps of a warpgroup puts its WGMMA instructions at different PCs (synccheck reports it).
+// twice, issues both of its P V back to back. kPageA waits for P_a V_a before P_b V_b only when a row maximum
+// of the warpgroup moved: one vote for all four warps, since a wait taken by only some warps of a warpgroup puts
+// its WGMMA instructions at different PCs (wgmma is .aligned; synccheck reports it).
 // A piece with an odd number of pages ends with a pair without b: kPageB then only applies P_a and posts
 // m_b = m_a.
 //
@@ -323,12 +324,17 @@ struct SplitKvMainloop {
           take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
-          wait_pv(tOrO);                                    // P_a V_a done: V_a[:, 0:256] is free
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
-          scale_rows(O, scale);
+          // O_L may be rescaled only once P_a V_a is done; when no row maximum of the warpgroup moved (the
+          // common case) P_b V_b queues behind P_a V_a without a wait. One vote for the whole warpgroup.
+          if (warpgroup_any(WarpgroupBarrier::kRescaleVoted, kWarpgroup, scale[0] != 1.f || scale[1] != 1.f)) {
+            wait_pv(tOrO);
+            scale_rows(O, scale);
+          }
           wait_segments(smem, 1, phases.page[1], 0, kVHalf);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
+          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
           wait_pv(tOrO);
           refill(p, smem, 1, next_b, kv_head, 0, kVHalf);
         } else {
