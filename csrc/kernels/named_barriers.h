@@ -30,7 +30,8 @@ __device__ __forceinline__ bool warpgroup_any(WarpgroupBarrier barrier, int warp
       "  selp.u32 %0, 1, 0, q;\n"
       "}\n"
       : "=r"(any)
-      : "r"(static_cast<uint32_t>(pred)), "r"(static_cast<uint32_t>(barrier) + warpgroup), "r"(kWarpgroupBarrierThreads));
+      : "r"(static_cast<uint32_t>(pred)), "r"(static_cast<uint32_t>(barrier) + warpgroup),
+        "r"(kWarpgroupBarrierThreads));
   return any != 0;
 }
 
