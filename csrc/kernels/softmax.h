@@ -79,11 +79,16 @@ __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[
   }
 }
 
-// True when some row of the warp has factor != 1 (a row maximum moved, or a NaN): only then does a
+// True when one of this thread's rows has factor != 1 (a row maximum moved, or a NaN): only then does a
 // rescale change anything (x * 1 == x bitwise), and once rows have seen a few pages it rarely does.
-__device__ __forceinline__ bool warp_needs_rescale(const float (&factor)[kRowsPerThread]) {
+__device__ __forceinline__ bool rows_need_rescale(const float (&factor)[kRowsPerThread]) {
   static_assert(kRowsPerThread == 2, "one vote over both rows");
-  return __any_sync(0xffffffffu, factor[0] != 1.f || factor[1] != 1.f);
+  return factor[0] != 1.f || factor[1] != 1.f;
+}
+
+// The same over the warp: every lane gets the same answer.
+__device__ __forceinline__ bool warp_needs_rescale(const float (&factor)[kRowsPerThread]) {
+  return __any_sync(0xffffffffu, rows_need_rescale(factor));
 }
 
 // O row r *= factor[r], skipped by a warp whose factors are all 1 (saves 128 multiplies a call).
