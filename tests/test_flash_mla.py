@@ -166,6 +166,22 @@ def slice_cols(pieces: int) -> int:
     return cols
 
 
+def cta_item_cols(pieces: int, rows: int, grid: int = 264) -> int:
+    """csrc/kernels/combine.cu cta_item_cols: columns of one CTA item (pieces > WARP_ITEM_MAX_PIECES) when the
+    sequence's items cover `rows` packed rows, on `grid` combine CTAs (264 on an H100: two per SM)."""
+    def ceil_div(a, b):
+        return -(-a // b)
+
+    best_cols, best_cost = 64, None
+    for cols in (64, 128, 256):
+        groups = 256 // (cols // 4)                      # piece groups of cols / 4 threads
+        rounds = ceil_div(ceil_div(pieces, groups), 8)  # 8 pieces in flight per thread per round
+        cost = ceil_div(rows * (512 // cols), grid) * (1 + rounds)
+        if best_cost is None or cost < best_cost:
+            best_cols, best_cost = cols, cost
+    return best_cols
+
+
 def length_with_pieces(pieces: int, parts: int) -> int:
     """The shortest b = 1 length (multiple of 64, plus 37) that a plan of `parts` SM parts cuts into `pieces`."""
     for blocks in range(pieces, 64 * pieces + 64):
@@ -211,17 +227,26 @@ def test_combine_empty_rows_between_split_rows(case, s_q, h_q, dtype):
 
 
 @needs_hopper
-@pytest.mark.parametrize("h_q", [16, 128])
+@pytest.mark.parametrize("h_q", [16, 64, 128])
 @pytest.mark.parametrize("pieces", [2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129])
 def test_combine_every_slice_width(pieces, h_q):
-    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 32 at 17-32) and its CTA
-    items (33 pieces on), at each width's edges: a thread with a partial last batch, groups with unequal piece
-    counts, two rounds of loads in a CTA item (129 pieces)."""
+    """Every slice width of the combine's warp items (512 columns at 2 pieces down to 32 at 17-32) and of its CTA
+    items (33 pieces on: 64 columns at h_q 16, 128 at h_q 64, 256 at h_q 128), at each width's edges: a thread
+    with a partial last batch, groups with unequal piece counts, two or more rounds of loads in a CTA item."""
     parts = pieces + 1
     length = length_with_pieces(pieces, parts)
     _, (_md, ns), _, _, metrics = run_case([length], 1, h_q, num_sms=parts * -(-h_q // 64), seed=pieces)
     assert ns.tolist() == [0, pieces]
     assert_close(metrics, torch.bfloat16, f"{pieces} pieces ({slice_cols(pieces)} columns), h_q={h_q}")
+
+
+def test_cta_item_widths_cover_the_design():
+    """The CTA item widths the combine's comment and static_assert name, mirrored; and the GPU test above
+    reaches each of them at 264 CTAs."""
+    assert [cta_item_cols(128, 16), cta_item_cols(33, 16), cta_item_cols(64, 64), cta_item_cols(64, 128),
+            cta_item_cols(129, 128)] == [64, 64, 128, 256, 256]
+    widths = {cta_item_cols(n, h_q) for n in (33, 64, 65, 128, 129) for h_q in (16, 64, 128)}
+    assert widths == {64, 128, 256}, widths
 
 
 def test_slice_widths_cover_the_design():

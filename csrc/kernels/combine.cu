@@ -21,10 +21,13 @@
 //      Lanes are (piece group) x (column lane), group g takes pieces g, g + groups, ...; the lanes compute the
 //      row's lse themselves (n loads strided over the warp) and sum the groups with xor shuffles. No barrier:
 //      a CTA's warps run unrelated items.
-//   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64 columns); its 16
-//      piece groups of 16 threads (a float4 each) take pieces g, g + 16, ..., 8 loads in flight per thread (one
-//      round up to 128 pieces); the 8 warps' lse partial states and the groups' sums meet in shared memory.
-//      Narrow warp items here would make every 8-column slice re-read the row's n lse values (measured slower).
+//   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64, 128 or 256
+//      columns: cta_item_cols, by the rows and the grid); its piece groups (16, 8 or 4) of columns / 4 threads (a
+//      float4 each) take pieces g, g + groups, ..., 8 loads in flight per thread per round; the 8 warps' lse
+//      partial states and the groups' sums meet in shared memory. 64 columns give b = 1, h_q 16 (16 rows) 128
+//      items, one per CTA; at h_q 128 (128 rows) they gave 1024 items, 4 after one another on each CTA, and 256
+//      columns give 256 items of two rounds each. Narrow warp items here would make every 8-column slice re-read
+//      the row's n lse values (measured slower).
 //
 // Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (two per SM). Order inside a CTA:
 //   1. prologue (may run while the split kernel is still running: programmatic dependent launch): warp 0 lists
@@ -74,19 +77,47 @@ __host__ __device__ constexpr int slice_cols(int num_pieces) {
 static_assert(slice_cols(2) == 512 && slice_cols(3) == 256 && slice_cols(16) == 64 &&
               slice_cols(kWarpItemMaxPieces) == 32, "the widths the design comment names");
 
-// The CTA item: one packed row x 64 columns; 16 piece groups of 16 threads, one float4 column each.
+// A CTA item: one packed row x kCols columns; kGroups piece groups of kCols / 4 threads, one float4 column each.
+template <int kCols_>
 struct CtaTile {
-  static constexpr int kCols = 64;
+  static constexpr int kCols = kCols_;
   static constexpr int kChunks = kHeadDimV / kCols;          // items across one row
   static constexpr int kColThreads = kCols / 4;
   static constexpr int kGroups = kCombineThreads / kColThreads;
   static constexpr int kBatch = kLaneLoadBytes / 16;         // pieces per thread per round
-  static_assert(kColThreads * kGroups == kCombineThreads && kColThreads <= kWarpSize, "threads tile the item");
+  static_assert(kColThreads * kGroups == kCombineThreads && kGroups >= 2, "threads tile the item");
 };
+constexpr int kCtaItemMinCols = 64;
+constexpr int kCtaItemMaxCols = 256;
+
+__host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// Columns of one CTA item of a sequence of n > kWarpItemMaxPieces pieces whose items cover `rows` packed rows (all
+// its KV heads), on a grid of `grid` CTAs. A CTA runs its items one after another, and an item costs about one
+// latency for its lse and barriers plus one per round of loads (a thread's pieces, kBatch at a time): wider items
+// are fewer per CTA but give each thread more pieces. The fewest latencies per CTA win, the narrower item on a
+// tie (more CTAs read at once). On 264 CTAs: 16 rows (b = 1, h_q 16) 64 columns, 64 rows 128, 128 rows 256.
+__host__ __device__ constexpr int cta_item_cols(int num_pieces, int rows, int grid) {
+  int best_cols = kCtaItemMinCols, best_cost = 1 << 30;
+  for (int cols = kCtaItemMinCols; cols <= kCtaItemMaxCols; cols *= 2) {
+    const int groups = kCombineThreads / (cols / 4);
+    const int rounds = ceil_div(ceil_div(num_pieces, groups), kLaneLoadBytes / 16);
+    const int cost = ceil_div(rows * (kHeadDimV / cols), grid) * (1 + rounds);
+    if (cost < best_cost) {
+      best_cost = cost;
+      best_cols = cols;
+    }
+  }
+  return best_cols;
+}
+static_assert(cta_item_cols(128, 16, 264) == 64 && cta_item_cols(33, 16, 264) == 64 &&
+              cta_item_cols(64, 64, 264) == 128 && cta_item_cols(64, 128, 264) == 256 &&
+              cta_item_cols(129, 128, 264) == 256, "the widths the comment names (tests/test_flash_mla.py mirrors)");
 
 // Items of one sequence with `num_pieces` pieces, in the item space its piece count selects.
-__host__ __device__ inline int cta_items_of(int num_pieces, int rows, int num_heads_k) {
-  return uses_warp_items(num_pieces) ? 0 : num_heads_k * rows * CtaTile::kChunks;
+__host__ __device__ inline int cta_items_of(int num_pieces, int rows, int num_heads_k, int grid) {
+  if (uses_warp_items(num_pieces)) return 0;
+  return num_heads_k * rows * (kHeadDimV / cta_item_cols(num_pieces, num_heads_k * rows, grid));
 }
 __host__ __device__ inline int warp_items_of(int num_pieces, int rows, int num_heads_k) {
   return uses_warp_items(num_pieces) ? num_heads_k * rows * (kHeadDimV / slice_cols(num_pieces)) : 0;
@@ -284,7 +315,7 @@ __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int 
       // Workspace slots exist for [0, batch + num_sm_parts): num_splits of another plan must not lead past them.
       const bool valid = j < count && first[i] >= 0 && end[i] - first[i] >= 2 && end[i] <= p.batch + p.num_sm_parts;
       const int pieces = valid ? end[i] - first[i] : 0;
-      const int cta_items = valid ? cta_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
+      const int cta_items = valid ? cta_items_of(pieces, p.rows_per_kv, p.num_heads_k, gridDim.x) : 0;
       const int warp_items = valid ? warp_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
       const int cta_inclusive = warp_inclusive_scan(cta_items, lane);
       const int warp_inclusive = warp_inclusive_scan(warp_items, lane);
@@ -316,10 +347,11 @@ __device__ int entry_of_item(const WorkList& list, const int* first_item, int it
   return lo;
 }
 
-// Shared memory of the CTA items: the warps' lse states and the piece groups' sums.
+// Shared memory of the CTA items: the warps' lse states and the piece groups' sums, group g >= 1 at
+// [(g - 1) * kColThreads, + kColThreads): (kGroups - 1) x kColThreads = 256 - kCols / 4 float4, most at 64 columns.
 struct CtaItemShared {
   LseState warp_states[kCombineWarps];
-  float4 group_sums[CtaTile::kGroups - 1][CtaTile::kColThreads];
+  float4 group_sums[kCombineThreads - kCtaItemMinCols / 4];
 };
 
 // Out (and lse) of one packed row's converted, sink-scaled columns [col0, col0 + 4 * kVecs * stride) where this
@@ -346,20 +378,21 @@ __device__ __forceinline__ void store_row(const DecodeParams& p, int seq, int kv
   if (write_lse) p.lse[(int64_t(seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
 }
 
-// One CTA item: `local_item` of the sequence's CTA items (KV-head major, then packed row, then 64-column chunk).
-template <class Element>
+// One CTA item: `local_item` of the sequence's CTA items (KV-head major, then packed row, then kCols-column chunk).
+template <class Element, int kCols>
 __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
                                  CtaItemShared& shared) {
+  using Tile = CtaTile<kCols>;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
-  const int group = threadIdx.x / CtaTile::kColThreads, col_thread = threadIdx.x % CtaTile::kColThreads;
-  const int per_head = p.rows_per_kv * CtaTile::kChunks;
+  const int group = threadIdx.x / Tile::kColThreads, col_thread = threadIdx.x % Tile::kColThreads;
+  const int per_head = p.rows_per_kv * Tile::kChunks;
   const int kv_head = local_item / per_head;
-  const int row = local_item % per_head / CtaTile::kChunks;          // packed query row
-  const int chunk = local_item % CtaTile::kChunks;
+  const int row = local_item % per_head / Tile::kChunks;             // packed query row
+  const int chunk = local_item % Tile::kChunks;
 
   // ---- first batch of this thread's pieces, before the row's lse is known ---------------------------------------
-  PieceReader<CtaTile::kBatch, 1, CtaTile::kGroups, 0> reader(p, first_slot, num_pieces, kv_head, row,
-                                                              chunk * CtaTile::kCols, col_thread, group);
+  PieceReader<Tile::kBatch, 1, Tile::kGroups, 0> reader(p, first_slot, num_pieces, kv_head, row, chunk * kCols,
+                                                        col_thread, group);
   reader.load(group);
   const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
@@ -377,15 +410,15 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   // ---- out = sum_k exp(lse_k - lse) O_k over this thread's pieces, then the groups in group order --------------
   float4 acc[1];
   reader.accumulate(lse, acc);
-  if (group > 0) shared.group_sums[group - 1][col_thread] = acc[0];
+  if (group > 0) shared.group_sums[(group - 1) * Tile::kColThreads + col_thread] = acc[0];
   __syncthreads();
   if (group == 0) {
 #pragma unroll
-    for (int g = 1; g < CtaTile::kGroups; ++g) {
-      const float4 x = shared.group_sums[g - 1][col_thread];
+    for (int g = 1; g < Tile::kGroups; ++g) {
+      const float4 x = shared.group_sums[(g - 1) * Tile::kColThreads + col_thread];
       acc[0].x += x.x; acc[0].y += x.y; acc[0].z += x.z; acc[0].w += x.w;
     }
-    store_row<Element, 1>(p, seq, kv_head, row, chunk * CtaTile::kCols, 0, col_thread, acc, lse, sink,
+    store_row<Element, 1>(p, seq, kv_head, row, chunk * kCols, 0, col_thread, acc, lse, sink,
                           chunk == 0 && col_thread == 0);
   }
   __syncthreads();    // the next item reuses the shared memory
@@ -449,8 +482,13 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
 #pragma unroll 1
   for (int item = blockIdx.x; item < list.total_cta_items; item += gridDim.x) {
     const int entry = entry_of_item(list, list.first_cta_item, item);
-    combine_cta_item<Element>(p, list.seq[entry], list.first_slot[entry], list.num_pieces[entry],
-                              item - list.first_cta_item[entry], cta_shared);
+    const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
+    const int local_item = item - list.first_cta_item[entry];
+    switch (cta_item_cols(num_pieces, p.num_heads_k * p.rows_per_kv, gridDim.x)) {
+      case 256: combine_cta_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
+      case 128: combine_cta_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
+      default: combine_cta_item<Element, 64>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
+    }
   }
 
   // ---- 3b. warp items (sequences of few pieces), grid-strided over warps; branches uniform across the warp -----
@@ -505,7 +543,8 @@ void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   // parts with a piece k >= 1, so at most (num_sm_parts - 1) / kWarpItemMaxPieces sequences have CTA items.
   const int64_t rows = int64_t(p.num_heads_k) * p.rows_per_kv;
   const int64_t max_warp_items = rows * 2 * p.num_sm_parts;
-  const int64_t max_cta_items = rows * CtaTile::kChunks * ((p.num_sm_parts - 1) / kWarpItemMaxPieces);
+  const int64_t max_cta_items =
+      rows * CtaTile<kCtaItemMinCols>::kChunks * ((p.num_sm_parts - 1) / kWarpItemMaxPieces);    // narrowest items
   const int64_t max_ctas = std::max((max_warp_items + kCombineWarps - 1) / kCombineWarps, max_cta_items);
   const int ctas = static_cast<int>(std::min<int64_t>(max_ctas, resident_ctas<Element>()));
 
