@@ -7,8 +7,8 @@
 #              ragged lengths, split plans; cuda and triton backends; all kernels checked; caching allocator off
 #              (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and 256 bytes of padding after every allocation, so a read
 #              past any tensor is out of bounds
-#   racecheck  tests/sanitizer_driver.py small (b = 2, L ~ 200, h_q 16/128, s_q 1/2), cuda backend, the
-#              flash_mla kernels only (shared-memory hazards)
+#   racecheck  tests/sanitizer_driver.py small (b = 2, L ~ 200, h_q 16/128, s_q 1/2; b = 1 in 43-64 pieces),
+#              cuda backend, the flash_mla kernels only (shared-memory hazards)
 #   synccheck  the same, barrier misuse
 #   initcheck  the same, reads of uninitialised global memory (all kernels: writes by unchecked kernels would
 #              not be seen)

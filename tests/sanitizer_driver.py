@@ -9,6 +9,7 @@ many pieces and the combine kernel runs. Pages are laid out in order with no spa
 the last sequence ends exactly at the end of the cache allocation (run with PYTORCH_NO_CUDA_MEMORY_CACHING=1:
 every tensor is then its own cudaMalloc, and any read past a tensor is outside an allocation).
 `small`: b = 2, L ~ 200, h_q in {16, 128}, s_q in {1, 2}: cheap enough for racecheck.
+Both end with b = 1 cut into 43-64 pieces (the combine's CTA items at each of their widths).
 Both include cases with an attention sink (attn_sink), applied in the split kernel's epilogue for whole sequences
 and in the combine kernel for cut ones.
 
@@ -79,6 +80,7 @@ def padded_cases(backend):
     yield case(f"{backend} padded + attn_sink s_q=2 h_q=64", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 2, 64,
                pad_garbage=-1, sink=True, seed=13)
     yield case(f"{backend} ragged + attn_sink, 8-SM plan", ragged, 2, 32, num_sms=8, sink=True, seed=14)
+    yield from long_cases(backend)
 
 
 def small_cases(backend):
@@ -89,16 +91,20 @@ def small_cases(backend):
     yield case(f"{backend} small + attn_sink (cut sequences: combine)", [200, 137], 2, 64, sink=True, seed=5)
     yield case(f"{backend} small + attn_sink, 1-SM plan (whole: split epilogue)", [200, 137], 2, 64, num_sms=1,
                sink=True, seed=6)
+    yield from long_cases(backend)
+
+
+def long_cases(backend):
+    # b = 1 cut into 64 / 64 / 43 pieces: the combine's CTA items, 64 / 128 / 256 columns wide at h_q 16 / 64 / 128
+    # (tests/test_flash_mla.py cta_item_cols); a partial last page.
+    for h_q, length in ((16, 4069), (64, 4069), (128, 8165)):
+        yield case(f"{backend} long b=1 h_q={h_q} (combine CTA items)", [length], 1, h_q, seed=20 + h_q)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=("padded", "small"))
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
-    parser.add_argument("--pipelines", default="default",
-                        help="page-loop schedules of the cuda backend's split kernel to run, comma-separated "
-                             "(FLASH_MLA_SPLITKV_PIPELINE, read by the kernel-v2 branch's binding; 'default': the "
-                             "built-in schedule)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")
@@ -110,13 +116,9 @@ def main() -> int:
         if why is not None:
             print(f"skip {backend}: {why}")
             continue
-        for pipeline in args.pipelines.split(",") if backend == "cuda" else ["-"]:
-            if backend == "cuda":   # the extension reads it at every call
-                os.environ["FLASH_MLA_SPLITKV_PIPELINE"] = pipeline
-            cases = padded_cases(backend) if args.workload == "padded" else small_cases(backend)
-            for name, seqlens, s_q, h_q, options in cases:
-                run_case(f"{name} [{pipeline}]" if backend == "cuda" else name, seqlens, s_q, h_q, backend,
-                         **options)
+        cases = padded_cases(backend) if args.workload == "padded" else small_cases(backend)
+        for name, seqlens, s_q, h_q, options in cases:
+            run_case(name, seqlens, s_q, h_q, backend, **options)
     print("DRIVER OK")
     return 0
 
