@@ -242,7 +242,8 @@ def test_combine_every_slice_width(pieces, h_q):
 
 def test_cta_item_widths_cover_the_design():
     """The CTA item widths the combine's comment and static_assert name, mirrored; and the GPU test above
-    reaches each of them at 264 CTAs."""
+    reaches each of them (its grids: 264 CTAs at h_q 64 and 128; fewer at h_q 16, where the width is 64 either
+    way)."""
     assert [cta_item_cols(128, 16), cta_item_cols(33, 16), cta_item_cols(64, 64), cta_item_cols(64, 128),
             cta_item_cols(129, 128)] == [64, 64, 128, 256, 256]
     widths = {cta_item_cols(n, h_q) for n in (33, 64, 65, 128, 129) for h_q in (16, 64, 128)}
