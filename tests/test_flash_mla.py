@@ -156,8 +156,9 @@ WARP_ITEM_MAX_PIECES = 32     # csrc/kernels/combine.cu kWarpItemMaxPieces: more
 
 
 def slice_cols(pieces: int) -> int:
-    """csrc/kernels/combine.cu: output columns of one combine item of a sequence cut into `pieces` (warp items up
-    to WARP_ITEM_MAX_PIECES, then CTA items of 64 columns)."""
+    """csrc/kernels/combine.cu: output columns of one combine item of a sequence cut into `pieces`: slice_cols for
+    warp items (up to WARP_ITEM_MAX_PIECES); past that, 64, the narrowest CTA item (cta_item_cols below gives the
+    width a CTA item really has, which also depends on the rows and the grid)."""
     if pieces > WARP_ITEM_MAX_PIECES:
         return 64
     cols = 512
@@ -237,7 +238,8 @@ def test_combine_every_slice_width(pieces, h_q):
     length = length_with_pieces(pieces, parts)
     _, (_md, ns), _, _, metrics = run_case([length], 1, h_q, num_sms=parts * -(-h_q // 64), seed=pieces)
     assert ns.tolist() == [0, pieces]
-    assert_close(metrics, torch.bfloat16, f"{pieces} pieces ({slice_cols(pieces)} columns), h_q={h_q}")
+    cols = slice_cols(pieces) if pieces <= WARP_ITEM_MAX_PIECES else cta_item_cols(pieces, h_q)
+    assert_close(metrics, torch.bfloat16, f"{pieces} pieces ({cols} columns), h_q={h_q}")
 
 
 def test_cta_item_widths_cover_the_design():
