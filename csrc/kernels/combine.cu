@@ -7,10 +7,10 @@
 // batch padded to b = 32 around one long sequence included). The kernel is latency-bound: each item should cost
 // one round of loads, and independent items should not wait for each other.
 //
-// Which rows. Only sequences cut into two or more pieces. Unsplit sequences (L = 0 ones included: they are never
-// cut) were written by the split kernel and are not touched. Sequence s is split exactly when one SM part starts
-// with its piece 1 (metadata begin_split == 1), so at most min(batch, num_sm_parts - 1) sequences are split, and
-// the work is bounded by the plan, not by the batch size.
+// Which rows. Only sequences cut into two or more pieces (num_splits[s + 1] - num_splits[s] >= 2, the split
+// kernel's own test). Unsplit sequences (L = 0 ones included: they are never cut) were written by the split kernel
+// and are not touched. A split sequence has one SM part starting with its piece 1, so at most
+// min(batch, num_sm_parts - 1) sequences are split, and the items are bounded by the plan, not the batch size.
 //
 // Two kinds of items, chosen per sequence from its piece count n, on the device (the host cannot know n without
 // a sync); measured on the H100 (docs/PERF.md "Combine kernel"):
@@ -31,10 +31,10 @@
 //
 // Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (two per SM). Order inside a CTA:
 //   1. prologue (may run while the split kernel is still running: programmatic dependent launch): warp 0 lists
-//      the split sequences (ballot over the metadata's begin_split == 1), their slots and pieces (num_splits),
-//      and each one's first CTA item and first warp item (warp scans), into shared memory. It reads only the
-//      metadata and num_splits, written by the metadata kernel, which had finished before the split kernel (an
-//      ordinary launch) started.
+//      the split sequences (ballots over num_splits), their slots and pieces, and each one's first CTA item and
+//      first warp item (warp scans), into shared memory: one round of loads for up to 1024 sequences (split
+//      CTAs leave first, so on a small batch this prologue is on the critical path). It reads only num_splits,
+//      written by the metadata kernel, which had finished before the split kernel (an ordinary launch) started.
 //   2. griddepcontrol.wait, by every CTA: from here on the split kernel's results are complete and visible, and
 //      this grid cannot complete before the split kernel.
 //   3. CTA items i = blockIdx.x, + gridDim.x, ...; then warp items w = global warp index, + all warps, ... Each
@@ -272,65 +272,58 @@ struct PieceReader {
   }
 };
 
-// Warp 0 fills `list` (prologue: metadata and num_splits only). Sequence s is listed when an SM part starts with
-// its piece 1, in part order (= sequence order).
+// Warp 0 fills `list` (prologue: num_splits only). Sequence s is listed when num_splits gives it two or more
+// pieces, in sequence order: the split kernel's own test for writing partials, so the two kernels agree on which
+// rows the combine owns whatever plan they are given. One round of loads per kSeqsPerRound sequences, all issued
+// before any is used (lane l holds num_splits[base + l + 32 i]; a sequence's end is its right neighbour's value),
+// so a batch of up to 1024 sequences costs one dependent load, not a metadata round and then a num_splits round.
 __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int lane) {
-  constexpr int kRounds = 8;            // 256 parts' or sequences' loads in flight per round
-  int count = 0;
-  for (int base = 0; base < p.num_sm_parts; base += kRounds * kWarpSize) {
-    int begin_seq[kRounds], begin_split[kRounds];
+  constexpr int kPerLane = 32;
+  constexpr int kSeqsPerRound = kPerLane * kWarpSize;        // 1024
+  int count = 0, cta_items_before = 0, warp_items_before = 0;
+  for (int base = 0; base < p.batch; base += kSeqsPerRound) {
+    int bound[kPerLane + 1];       // num_splits[base + lane + 32 i]; i = kPerLane: the round's last end
 #pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      const int part = base + i * kWarpSize + lane;
-      const int32_t* row = p.metadata + int64_t(part) * kMetadataWidth;
-      begin_seq[i] = part < p.num_sm_parts ? row[kBeginSeq] : -1;
-      begin_split[i] = part < p.num_sm_parts ? row[kBeginSplit] : 0;
-    }
-#pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      const bool starts_piece_1 = begin_split[i] == 1;
-      const unsigned hits = __ballot_sync(kFullMask, starts_piece_1);
-      const int position = count + __popc(hits & ((1u << lane) - 1u));
-      if (starts_piece_1 && position < kMaxSplitSeqs) list.seq[position] = begin_seq[i];
-      count += __popc(hits);
-    }
-  }
-  count = min(count, kMaxSplitSeqs);
-  __syncwarp();
-
-  int cta_items_before = 0, warp_items_before = 0;
-  for (int base = 0; base < count; base += kRounds * kWarpSize) {
-    int first[kRounds], end[kRounds];
-#pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
+    for (int i = 0; i <= kPerLane; ++i) {
       const int j = base + i * kWarpSize + lane;
-      const int seq = j < count ? list.seq[j] : -1;
-      const bool in_batch = seq >= 0 && seq < p.batch;        // a foreign plan may name any sequence
-      first[i] = in_batch ? p.num_splits[seq] : 0;
-      end[i] = in_batch ? p.num_splits[seq + 1] : 0;
+      bound[i] = j <= p.batch && (i < kPerLane || lane == 0) ? p.num_splits[j] : 0;
     }
 #pragma unroll
-    for (int i = 0; i < kRounds; ++i) {
-      const int j = base + i * kWarpSize + lane;
+    for (int i = 0; i < kPerLane; ++i) {
+      if (base + i * kWarpSize >= p.batch) break;            // uniform across the warp
+      const int seq = base + i * kWarpSize + lane;
+      const int first = bound[i];
+      // Both shuffles run on every lane (a shuffle of the full mask is a warp-wide rendezvous).
+      const int right_neighbour = __shfl_down_sync(kFullMask, first, 1);
+      const int next_first = __shfl_sync(kFullMask, bound[i + 1], 0);
+      const int end = lane < kWarpSize - 1 ? right_neighbour : next_first;
       // Workspace slots exist for [0, batch + num_sm_parts): num_splits of another plan must not lead past them.
-      const bool valid = j < count && first[i] >= 0 && end[i] - first[i] >= 2 && end[i] <= p.batch + p.num_sm_parts;
-      const int pieces = valid ? end[i] - first[i] : 0;
+      const bool split = seq < p.batch && end - first >= 2;
+      const unsigned hits = __ballot_sync(kFullMask, split);
+      const int position = count + __popc(hits & ((1u << lane) - 1u));
+      const bool listed = split && position < kMaxSplitSeqs;    // more split sequences than any plan makes: dropped
+      const bool valid = listed && first >= 0 && end <= p.batch + p.num_sm_parts;
+      const int pieces = valid ? end - first : 0;
       const int cta_items = valid ? cta_items_of(pieces, p.rows_per_kv, p.num_heads_k, gridDim.x) : 0;
       const int warp_items = valid ? warp_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
+      // Entries are packed (only split sequences get one), so the scans run over the packed order: lanes
+      // without an entry add 0, and every lane reads the same warp totals.
       const int cta_inclusive = warp_inclusive_scan(cta_items, lane);
       const int warp_inclusive = warp_inclusive_scan(warp_items, lane);
-      if (j < count) {
-        list.first_slot[j] = first[i];
-        list.num_pieces[j] = pieces;
-        list.first_cta_item[j] = cta_items_before + cta_inclusive - cta_items;
-        list.first_warp_item[j] = warp_items_before + warp_inclusive - warp_items;
+      if (listed) {
+        list.seq[position] = seq;
+        list.first_slot[position] = first;
+        list.num_pieces[position] = pieces;
+        list.first_cta_item[position] = cta_items_before + cta_inclusive - cta_items;
+        list.first_warp_item[position] = warp_items_before + warp_inclusive - warp_items;
       }
+      count += __popc(hits);
       cta_items_before += __shfl_sync(kFullMask, cta_inclusive, kWarpSize - 1);
       warp_items_before += __shfl_sync(kFullMask, warp_inclusive, kWarpSize - 1);
     }
   }
   if (lane == 0) {
-    list.count = count;
+    list.count = min(count, kMaxSplitSeqs);
     list.total_cta_items = cta_items_before;
     list.total_warp_items = warp_items_before;
   }
