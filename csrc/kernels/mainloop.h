@@ -418,20 +418,23 @@ struct SplitKvMainloop {
 
   // ============================================ CTA ==========================================================
 
-  // Every page buffer segment and the first Q tile, each issued by the warpgroup that will refill it later.
+  // The first Q tile (kPageB, cp.async) and every segment of both page buffers, issued by one thread of kPageA:
+  // page a's nine segments (RoPE first, the order S takes them) before any of page b's, so that page a lands
+  // first and S_a, its softmax and P_a V_a run while page b is still arriving. Later refills are the segment
+  // owners' (the mbarriers are per segment; who issues a copy does not matter to them).
   template <WarpgroupRole kRole>
   __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
                                   int m_tile) {
-    constexpr int kWarpgroup = static_cast<int>(kRole);
     if (kRole == WarpgroupRole::kPageB) {
       const int first_seq = range.next_seq_using(range.first_seq(), 0);
       if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
+      return;
     }
     CUTE_UNROLL
     for (int stage = 0; stage < 2; ++stage) {
       const PageBlock block = range.first_block(stage);
-      if (Traits::segment_owner(stage, kRope) == kWarpgroup) refill(p, smem, stage, block, kv_head, kRope, 1);
-      refill(p, smem, stage, block, kv_head, kWarpgroup * kVHalf, kVHalf);
+      refill(p, smem, stage, block, kv_head, kRope, 1);
+      refill(p, smem, stage, block, kv_head, 0, kRope);
     }
   }
 
