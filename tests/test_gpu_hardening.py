@@ -55,6 +55,27 @@ def _clean_environment(default_environment):
     torch.cuda.empty_cache()
 
 
+@pytest.fixture(autouse=True)
+def _one_limits_case_at_a_time(request):
+    """The limits cases take up to half of an 80 GB GPU each: under pytest-xdist (`-n 8`) two of them at once ran
+    out of memory (H100, session 9). A file lock shared by the worker processes runs them one at a time."""
+    if not request.node.name.startswith("test_limits_"):
+        yield
+        return
+    import fcntl
+    import tempfile
+    from pathlib import Path
+
+    with open(Path(tempfile.gettempdir()) / "flash_mla_gpu_limits.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()    # the memory goes back before the next process takes the lock
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def num_sms():
     return torch.cuda.get_device_properties(0).multi_processor_count
 

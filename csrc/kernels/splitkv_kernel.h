@@ -42,8 +42,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
   }
 
-  // This grid is a programmatic dependent of the kernel before it (launch_splitkv): everything above touched only
-  // this CTA's shared memory; every input (q, the cache, the block table, the plan) may be that kernel's output.
+  // One-tile grids are launched as programmatic dependents of the kernel before them (launch_splitkv): everything
+  // above touched only this CTA's shared memory; every input (q, the cache, the block table, the plan) may be that
+  // kernel's output, and this grid's outputs may reuse memory that kernel still reads.
   cutlass::arch::wait_on_dependent_grids();
   // The combine kernel (our programmatic dependent) may start its prologue now. Not earlier: its prologue reads
   // num_splits, which the kernel before this one may have written.
