@@ -77,10 +77,11 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   config.stream = stream;
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled
   // before the kernel ahead of this one (the previous call's combine kernel in a decoding loop) has finished, set
-  // up their barriers and wait in griddepcontrol.wait (H100: b = 1, L = 32k, h_q 16 -1 us of 28.7). Not for
-  // several tiles: the tiles of one SM part read the same pages and count on finding them in L2, and CTAs
-  // scheduled one by one as the combine's leave start too far apart (b = 1024, L = 512, h_q 128: +21 %). Without
-  // the attribute, griddepcontrol.wait returns at once. A launch error is left for cudaGetLastError.
+  // up their barriers and wait in griddepcontrol.wait (H100, with the prologue's page-a-first order: one-tile
+  // table rows -0.45 %, small-batch rows -1 %; docs/PERF.md session 9). Not for several tiles: there it cost up to
+  // +21 % (b = 1024, L = 512, h_q 128), probably because the tiles of one SM part read the same pages and find
+  // them in L2 only if they start together, and CTAs scheduled one by one as the combine's CTAs leave do not.
+  // Without the attribute, griddepcontrol.wait returns at once. A launch error is left for cudaGetLastError.
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attribute[0].val.programmaticStreamSerializationAllowed = 1;
