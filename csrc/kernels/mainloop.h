@@ -32,7 +32,7 @@
 // Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
 // tracked by its own transaction mbarrier. Page k of a piece lives in buffer k % 2; the warpgroup whose work
 // reads a segment last refills it with the next page for that buffer (possibly the next piece's) as soon as it
-// is done with it (SplitKvTraits::segment_owner): the RoPE segment right after S, each V half after its last
+// is done with it (listed in splitkv_traits.h): the RoPE segment right after S, each V half after its last
 // P V. S takes its K blocks in the order the segments are refilled (RoPE first), so it starts before the page
 // has landed. Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and
 // each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).

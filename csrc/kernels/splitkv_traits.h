@@ -43,13 +43,10 @@ struct SplitKvTraits {
   static_assert(kRopeSegment * kSegmentCols == kHeadDimV, "the last segment is exactly the RoPE part");
   static_assert(kColsPerWarpgroup <= 256, "WGMMA N is at most 256");
 
-  // Which warpgroup refills segment `seg` of buffer `stage`: the one whose work reads it last.
+  // Which warpgroup refills a segment of a buffer (mainloop.h): the one whose work reads it last.
   //   V columns [0, 256)   (segments 0-3): read last by kPageA's P V of both pages;
   //   V columns [256, 512) (segments 4-7): read last by kPageB's P V of both pages;
   //   RoPE columns (segment 8): read only by S, i.e. by the warpgroup that computes S for that buffer.
-  static constexpr __host__ __device__ int segment_owner(int stage, int seg) {
-    return seg < kSegmentsPerVHalf ? 0 : seg < kRopeSegment ? 1 : stage;
-  }
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
