@@ -1,0 +1,222 @@
+// The page-streaming ceiling: how fast can one CTA per SM read random 64-token cache pages (64 x 576 bf16,
+// 72 KiB) into shared memory, by copy pattern, pages in flight per SM and the time an SM holds a page.
+// No attention math: a page is waited for, held for `hold_ns` (the compute it would get), and its buffer
+// refilled with the CTA's next page. The split kernel can stream no faster than the best row here with
+// its own pattern and depth (two buffers, nine 64 x 64 TMA boxes a page, evict-first).
+//
+//   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a benchmarks/page_stream.cu -o /tmp/page_stream
+//   /tmp/page_stream            # one row per config: median of 9 runs, GB/s, first page's landing time
+//
+// Patterns:
+//   box9     nine 64-column x 64-row TMA boxes a page, 128-byte swizzle (what the split kernel issues)
+//   bulk9    nine contiguous 8 KiB bulk copies a page (cp.async.bulk: no tensor map, no swizzle)
+// each with the evict-first L2 hint (ef) or none, and for box9 the tensor map's L2 promotion (none/128/256).
+#include <cuda.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#define CHECK(x)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e = (x);                                                                           \
+    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
+  } while (0)
+
+constexpr int kPageRows = 64, kCols = 576, kSegCols = 64, kSegments = kCols / kSegCols;    // 9 segments
+constexpr int kSegBytes = kPageRows * kSegCols * 2;                                         // 8 KiB
+constexpr int kPageBytes = kSegments * kSegBytes;                                           // 72 KiB
+constexpr int kMaxDepth = 3;
+
+enum Pattern : int { kBox9 = 0, kBulk9 = 1 };
+
+struct Config {
+  int pattern, depth, pages_per_cta, evict_first, hold_ns;
+};
+
+__device__ uint64_t globaltimer() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ void wait_parity(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n .reg .pred p;\n LAB_WAIT:\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      " @!p bra LAB_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+}
+
+// One page (cache page `page`) into buffer `dst`, completing on mbarrier `bar`.
+__device__ void issue_page(const CUtensorMap* tmap, const char* cache, int pattern, bool evict_first, uint32_t dst,
+                           uint32_t bar, int page) {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kPageBytes) : "memory");
+  for (int s = 0; s < kSegments; ++s) {
+    const uint32_t d = dst + s * kSegBytes;
+    if (pattern == kBox9) {
+      const int c0 = s * kSegCols, c1 = 0, c2 = 0, c3 = page;
+      if (evict_first) {
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+            " [%0], [%1, {%3, %4, %5, %6}], [%2], %7;" ::"r"(d), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2),
+            "r"(c3), "l"(policy) : "memory");
+      } else {
+        asm volatile(
+            "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+            " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(d), "l"(tmap), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+            : "memory");
+      }
+    } else {
+      const char* src = cache + int64_t(page) * kPageBytes + s * kSegBytes;
+      if (evict_first) {
+        asm volatile(
+            "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;"
+            ::"r"(d), "l"(src), "r"(kSegBytes), "r"(bar), "l"(policy) : "memory");
+      } else {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(d), "l"(src), "r"(kSegBytes), "r"(bar) : "memory");
+      }
+    }
+  }
+}
+
+// One thread per CTA does everything: `depth` buffers, each refilled with the CTA's next page once the page in it
+// has landed and been held for hold_ns. first_land[cta] = ns from this CTA's entry to its first page's landing.
+__global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CUtensorMap tmap, const char* cache,
+                                                      const int* page_list, Config cfg, uint64_t* first_land) {
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ alignas(8) uint64_t full[kMaxDepth];
+  if (threadIdx.x != 0) return;
+  const uint64_t t_entry = globaltimer();
+  const uint32_t buf0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const int* pages = page_list + int64_t(blockIdx.x) * cfg.pages_per_cta;
+  for (int b = 0; b < cfg.depth; ++b) {
+    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full[b]));
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  }
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  for (int b = 0; b < cfg.depth && b < cfg.pages_per_cta; ++b) {
+    issue_page(&tmap, cache, cfg.pattern, cfg.evict_first, buf0 + b * kPageBytes,
+               static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), pages[b]);
+  }
+  uint32_t parity[kMaxDepth] = {0, 0, 0};
+  for (int i = 0; i < cfg.pages_per_cta; ++i) {
+    const int b = i % cfg.depth;
+    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full[b]));
+    wait_parity(bar, parity[b]);
+    parity[b] ^= 1;
+    if (i == 0) first_land[blockIdx.x] = globaltimer() - t_entry;
+    if (cfg.hold_ns > 0) {
+      const uint64_t until = globaltimer() + cfg.hold_ns;
+      while (globaltimer() < until) {}
+    }
+    const int next = i + cfg.depth;
+    if (next < cfg.pages_per_cta) {
+      issue_page(&tmap, cache, cfg.pattern, cfg.evict_first, buf0 + b * kPageBytes, bar, pages[next]);
+    }
+  }
+}
+
+using Encode = decltype(&cuTensorMapEncodeTiled);
+
+static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion promotion) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {kCols, kPageRows, 1, cuuint64_t(num_pages)};
+  const cuuint64_t strides[3] = {kCols * 2, kPageBytes, kPageBytes};
+  const cuuint32_t box[4] = {kSegCols, kPageRows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
+  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, cache, dims, strides, box,
+                                                  elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                  CU_TENSOR_MAP_SWIZZLE_128B, promotion,
+                                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", int(r)); std::exit(1); }
+  return map;
+}
+
+int main() {
+  int sms = 0;
+  CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int num_pages = 16384;    // 1.2 GB: every run reads pages no earlier run left in the 50 MB L2
+  char* cache;
+  CHECK(cudaMalloc(&cache, size_t(num_pages) * kPageBytes));
+  CHECK(cudaMemset(cache, 1, size_t(num_pages) * kPageBytes));
+  std::vector<int> perm(num_pages);
+  for (int i = 0; i < num_pages; ++i) perm[i] = i;
+  std::mt19937 rng(0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  int* d_perm;
+  CHECK(cudaMalloc(&d_perm, 2 * num_pages * sizeof(int)));    // doubled: a run's window may wrap around
+  CHECK(cudaMemcpy(d_perm, perm.data(), num_pages * sizeof(int), cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(d_perm + num_pages, perm.data(), num_pages * sizeof(int), cudaMemcpyHostToDevice));
+  uint64_t* d_first;
+  CHECK(cudaMalloc(&d_first, sms * sizeof(uint64_t)));
+  CHECK(cudaFuncSetAttribute(stream_pages, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxDepth * kPageBytes));
+
+  const CUtensorMap maps[3] = {make_tmap(cache, num_pages, CU_TENSOR_MAP_L2_PROMOTION_L2_256B),
+                               make_tmap(cache, num_pages, CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
+                               make_tmap(cache, num_pages, CU_TENSOR_MAP_L2_PROMOTION_NONE)};
+  const char* promo_names[3] = {"256", "128", "none"};
+  std::printf("# %s, %d SMs; one CTA per SM, random pages of %d bytes; median of 9 runs\n", prop.name, sms,
+              kPageBytes);
+  std::printf("%-6s %-5s %-3s %5s %6s %5s %10s %8s %12s\n", "patt", "promo", "ef", "depth", "pages", "hold",
+              "us", "GB/s", "first_land_p50_us");
+
+  struct Row { int pattern, promo, ef, depth, pages, hold; };
+  std::vector<Row> rows;
+  for (int pages : {4, 16, 62, 248}) {
+    for (int depth : {1, 2, 3}) rows.push_back({kBox9, 0, 1, depth, pages, 0});
+    rows.push_back({kBox9, 0, 1, 2, pages, 800});
+    rows.push_back({kBox9, 0, 1, 3, pages, 800});
+    rows.push_back({kBox9, 0, 0, 2, pages, 0});
+    rows.push_back({kBox9, 1, 1, 2, pages, 0});
+    rows.push_back({kBox9, 2, 1, 2, pages, 0});
+    rows.push_back({kBulk9, 0, 1, 2, pages, 0});
+    rows.push_back({kBulk9, 0, 0, 2, pages, 0});
+    rows.push_back({kBulk9, 0, 1, 3, pages, 0});
+  }
+  int window = 0;
+  for (const Row& row : rows) {
+    const Config cfg{row.pattern, row.depth, row.pages, row.ef, row.hold};
+    const int per_run = sms * row.pages;
+    std::vector<float> times;
+    std::vector<uint64_t> first(sms);
+    std::vector<double> first_p50;
+    for (int rep = 0; rep < 10; ++rep) {
+      const int* list = d_perm + window;
+      window = (window + per_run) % num_pages;
+      cudaEvent_t a, b;
+      CHECK(cudaEventCreate(&a));
+      CHECK(cudaEventCreate(&b));
+      CHECK(cudaEventRecord(a));
+      stream_pages<<<sms, 32, kMaxDepth * kPageBytes>>>(maps[row.promo], cache, list, cfg, d_first);
+      CHECK(cudaEventRecord(b));
+      CHECK(cudaEventSynchronize(b));
+      CHECK(cudaGetLastError());
+      float ms;
+      CHECK(cudaEventElapsedTime(&ms, a, b));
+      CHECK(cudaMemcpy(first.data(), d_first, sms * sizeof(uint64_t), cudaMemcpyDeviceToHost));
+      if (rep == 0) continue;    // warm-up
+      times.push_back(ms * 1e3f);
+      std::sort(first.begin(), first.end());
+      first_p50.push_back(first[sms / 2] * 1e-3);
+    }
+    std::sort(times.begin(), times.end());
+    std::sort(first_p50.begin(), first_p50.end());
+    const double us = times[times.size() / 2];
+    const double gbs = double(per_run) * kPageBytes / (us * 1e-6) / 1e9;
+    std::printf("%-6s %-5s %-3d %5d %6d %5d %10.1f %8.0f %12.2f\n", row.pattern == kBox9 ? "box9" : "bulk9",
+                row.pattern == kBox9 ? promo_names[row.promo] : "-", row.ef, row.depth, row.pages, row.hold, us, gbs,
+                first_p50[first_p50.size() / 2]);
+  }
+  return 0;
+}
