@@ -168,8 +168,9 @@ def slice_cols(pieces: int) -> int:
 
 
 def cta_item_cols(pieces: int, rows: int, grid: int = 264) -> int:
-    """csrc/kernels/combine.cu cta_item_cols: columns of one CTA item (pieces > WARP_ITEM_MAX_PIECES) when the
-    sequence's items cover `rows` packed rows, on `grid` combine CTAs (264 on an H100: two per SM)."""
+    """csrc/kernels/combine.cu cta_item_cols: columns of one CTA item (pieces > WARP_ITEM_MAX_PIECES) when the CTA
+    items of every such sequence of the batch cover `rows` packed rows, on `grid` combine CTAs (264 on an H100: two
+    per SM)."""
     def ceil_div(a, b):
         return -(-a // b)
 
@@ -242,12 +243,25 @@ def test_combine_every_slice_width(pieces, h_q):
     assert_close(metrics, torch.bfloat16, f"{pieces} pieces ({cols} columns), h_q={h_q}")
 
 
+@needs_hopper
+@pytest.mark.parametrize("h_q", [16, 64])
+def test_combine_cta_items_of_several_sequences(h_q):
+    """b = 4, each sequence cut into 33 pieces: the four sequences' CTA items share the grid, so their width counts
+    all their rows (128 columns at h_q 16, 256 at h_q 64, where one sequence alone would get 64 and 128); every
+    element written and equal to the float32 reference."""
+    _, (_md, ns), _, _, metrics = run_case([12325] * 4, 1, h_q, num_sms=132, seed=h_q)
+    pieces = (ns[1:] - ns[:-1]).tolist()
+    assert min(pieces) > WARP_ITEM_MAX_PIECES, pieces
+    assert cta_item_cols(max(pieces), 4 * h_q) == {16: 128, 64: 256}[h_q] != cta_item_cols(max(pieces), h_q)
+    assert_close(metrics, torch.bfloat16, f"b = 4, {pieces} pieces, h_q={h_q}")
+
+
 def test_cta_item_widths_cover_the_design():
     """The CTA item widths the combine's comment and static_assert name, mirrored; and the GPU test above
     reaches each of them (its grids: 264 CTAs at h_q 64 and 128; fewer at h_q 16, where the width is 64 either
     way)."""
-    assert [cta_item_cols(128, 16), cta_item_cols(33, 16), cta_item_cols(64, 64), cta_item_cols(64, 128),
-            cta_item_cols(129, 128)] == [64, 64, 128, 256, 256]
+    assert [cta_item_cols(128, 16), cta_item_cols(33, 16), cta_item_cols(34, 64), cta_item_cols(64, 64),
+            cta_item_cols(64, 128), cta_item_cols(129, 128)] == [64, 64, 128, 128, 256, 256]
     widths = {cta_item_cols(n, h_q) for n in (33, 64, 65, 128, 129) for h_q in (16, 64, 128)}
     assert widths == {64, 128, 256}, widths
 

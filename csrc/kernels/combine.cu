@@ -24,15 +24,16 @@
 //   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64, 128 or 256
 //      columns: cta_item_cols, by the rows and the grid); its piece groups (16, 8 or 4) of columns / 4 threads (a
 //      float4 each) take pieces g, g + groups, ..., 8 loads in flight per thread per round; the 8 warps' lse
-//      partial states and the groups' sums meet in shared memory. 64 columns give b = 1, h_q 16 (16 rows) 128
+//      partial states and the groups' sums meet in shared memory. The width counts the rows of every
+//      many-piece sequence of the batch, which share the grid. 64 columns give b = 1, h_q 16 (16 rows) 128
 //      items, one per CTA; at h_q 128 (128 rows) they gave 1024 items, 4 after one another on each CTA, and 256
 //      columns give 256 items of two rounds each. Narrow warp items here would make every 8-column slice re-read
 //      the row's n lse values (measured slower).
 //
 // Grid: (CTAs, 1, 1) of kCombineWarps warps, at most the resident CTAs (two per SM). Order inside a CTA:
 //   1. prologue (may run while the split kernel is still running: programmatic dependent launch): warp 0 lists
-//      the split sequences (ballots over num_splits), their slots and pieces, and each one's first CTA item and
-//      first warp item (warp scans), into shared memory: one round of loads for up to 1024 sequences (split
+//      the split sequences, their slots, pieces and item widths, and each one's first CTA item and first warp
+//      item (warp scans), into shared memory: one round of loads for up to 1024 sequences (split
 //      CTAs leave first, so on a small batch this prologue is on the critical path). It reads only num_splits,
 //      written by the metadata kernel, which had finished before any split CTA passed its griddepcontrol.wait;
 //      the split kernel lets this grid launch only after that wait.
@@ -93,11 +94,13 @@ constexpr int kCtaItemMaxCols = 256;
 
 __host__ __device__ constexpr int ceil_div(int a, int b) { return (a + b - 1) / b; }
 
-// Columns of one CTA item of a sequence of n > kWarpItemMaxPieces pieces whose items cover `rows` packed rows (all
-// its KV heads), on a grid of `grid` CTAs. A CTA runs its items one after another, and an item costs about one
-// latency for its lse and barriers plus one per round of loads (a thread's pieces, kBatch at a time): wider items
-// are fewer per CTA but give each thread more pieces. The fewest latencies per CTA win, the narrower item on a
-// tie (more CTAs read at once). On 264 CTAs: 16 rows (b = 1, h_q 16) 64 columns, 64 rows 128, 128 rows 256.
+// Columns of one CTA item of a sequence of n > kWarpItemMaxPieces pieces, when the CTA items of every such
+// sequence of the batch cover `rows` packed rows (all their KV heads), on a grid of `grid` CTAs. A CTA runs its
+// items one after another, and an item costs about one latency for its lse and barriers plus one per round of
+// loads (a thread's pieces, kBatch at a time): wider items are fewer per CTA but give each thread more pieces.
+// The fewest latencies per CTA win, the narrower item on a tie (more CTAs read at once). On 264 CTAs: 16 rows
+// (b = 1, h_q 16) 64 columns, 64 rows 128 (b = 1, h_q 64, or b = 4, h_q 16 at 33-34 pieces each: one item per
+// CTA, not two), 128 rows 256.
 __host__ __device__ constexpr int cta_item_cols(int num_pieces, int rows, int grid) {
   int best_cols = kCtaItemMinCols, best_cost = 1 << 30;
   for (int cols = kCtaItemMinCols; cols <= kCtaItemMaxCols; cols *= 2) {
@@ -112,17 +115,9 @@ __host__ __device__ constexpr int cta_item_cols(int num_pieces, int rows, int gr
   return best_cols;
 }
 static_assert(cta_item_cols(128, 16, 264) == 64 && cta_item_cols(33, 16, 264) == 64 &&
-              cta_item_cols(64, 64, 264) == 128 && cta_item_cols(64, 128, 264) == 256 &&
-              cta_item_cols(129, 128, 264) == 256, "the widths the comment names (tests/test_flash_mla.py mirrors)");
-
-// Items of one sequence with `num_pieces` pieces, in the item space its piece count selects.
-__host__ __device__ inline int cta_items_of(int num_pieces, int rows, int num_heads_k, int grid) {
-  if (uses_warp_items(num_pieces)) return 0;
-  return num_heads_k * rows * (kHeadDimV / cta_item_cols(num_pieces, num_heads_k * rows, grid));
-}
-__host__ __device__ inline int warp_items_of(int num_pieces, int rows, int num_heads_k) {
-  return uses_warp_items(num_pieces) ? num_heads_k * rows * (kHeadDimV / slice_cols(num_pieces)) : 0;
-}
+              cta_item_cols(34, 64, 264) == 128 && cta_item_cols(64, 64, 264) == 128 &&
+              cta_item_cols(64, 128, 264) == 256 && cta_item_cols(129, 128, 264) == 256,
+              "the widths the comment names (tests/test_flash_mla.py mirrors)");
 
 // How a warp's lanes cover a slice of kCols columns.
 template <int kCols_>
@@ -141,6 +136,7 @@ struct WorkList {
   int seq[kMaxSplitSeqs];
   int first_slot[kMaxSplitSeqs];        // workspace slot of piece 0
   int num_pieces[kMaxSplitSeqs];        // >= 2, or 0 for an entry that failed the slot guard (no items)
+  int item_cols[kMaxSplitSeqs];         // columns of each of its items (slice_cols or cta_item_cols)
   int first_cta_item[kMaxSplitSeqs];    // exclusive prefix of the entries' CTA item counts
   int first_warp_item[kMaxSplitSeqs];   // exclusive prefix of the entries' warp item counts
   int count;
@@ -273,15 +269,22 @@ struct PieceReader {
   }
 };
 
-// Warp 0 fills `list` (prologue: num_splits only). Sequence s is listed when num_splits gives it two or more
-// pieces, in sequence order: the split kernel's own test for writing partials, so the two kernels agree on which
-// rows the combine owns whatever plan they are given. One round of loads per kSeqsPerRound sequences, all issued
-// before any is used (lane l holds num_splits[base + l + 32 i]; a sequence's end is its right neighbour's value),
-// so a batch of up to 1024 sequences costs one dependent load, not a metadata round and then a num_splits round.
+// Warp 0 fills `list` (prologue: num_splits only), in two passes.
+//   1. Which sequences are split: sequence s is listed when num_splits gives it two or more pieces, in sequence
+//      order (the split kernel's own test for writing partials, so the two kernels agree on which rows the
+//      combine owns whatever plan they are given). Lane l holds num_splits[base + l + 32 i] for a round of up to
+//      1024 sequences, all loaded before any is used (a sequence's end is its right neighbour's value); an entry's
+//      position is a ballot count, so a step costs two shuffles and a ballot, not a scan.
+//   2. The items, over the listed entries only (32 a step): each entry's item width and the two exclusive scans
+//      of the item counts. The CTA items of all many-piece sequences share the grid, so their width counts all
+//      their rows, known only after pass 1.
+// b = 1024 at h_q 16 (no split sequence) so costs the loads, 32 ballots and no scan; the earlier single pass ran two
+// warp scans per 32 sequences, on the critical path whenever the combine's CTAs start after the split ones.
 __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int lane) {
   constexpr int kPerLane = 32;
   constexpr int kSeqsPerRound = kPerLane * kWarpSize;        // 1024
-  int count = 0, cta_items_before = 0, warp_items_before = 0;
+  const int num_slots = p.batch + p.num_sm_parts;            // workspace slots [0, num_slots)
+  int count = 0, cta_seqs = 0;
   for (int base = 0; base < p.batch; base += kSeqsPerRound) {
     int bound[kPerLane + 1];       // num_splits[base + lane + 32 i]; i = kPerLane: the round's last end
 #pragma unroll
@@ -298,33 +301,44 @@ __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int 
       const int right_neighbour = __shfl_down_sync(kFullMask, first, 1);
       const int next_first = __shfl_sync(kFullMask, bound[i + 1], 0);
       const int end = lane < kWarpSize - 1 ? right_neighbour : next_first;
-      // Workspace slots exist for [0, batch + num_sm_parts): num_splits of another plan must not lead past them.
       const bool split = seq < p.batch && end - first >= 2;
       const unsigned hits = __ballot_sync(kFullMask, split);
+      if (hits == 0) continue;                               // uniform
       const int position = count + __popc(hits & ((1u << lane) - 1u));
-      const bool listed = split && position < kMaxSplitSeqs;    // more split sequences than any plan makes: dropped
-      const bool valid = listed && first >= 0 && end <= p.batch + p.num_sm_parts;
-      const int pieces = valid ? end - first : 0;
-      const int cta_items = valid ? cta_items_of(pieces, p.rows_per_kv, p.num_heads_k, gridDim.x) : 0;
-      const int warp_items = valid ? warp_items_of(pieces, p.rows_per_kv, p.num_heads_k) : 0;
-      // Entries are packed (only split sequences get one), so the scans run over the packed order: lanes
-      // without an entry add 0, and every lane reads the same warp totals.
-      const int cta_inclusive = warp_inclusive_scan(cta_items, lane);
-      const int warp_inclusive = warp_inclusive_scan(warp_items, lane);
-      if (listed) {
+      if (split && position < kMaxSplitSeqs) {    // more split sequences than any plan makes: dropped
+        // Workspace slots exist for [0, num_slots): num_splits of another plan must not lead past them.
+        const int pieces = first >= 0 && end <= num_slots ? end - first : 0;
         list.seq[position] = seq;
         list.first_slot[position] = first;
         list.num_pieces[position] = pieces;
-        list.first_cta_item[position] = cta_items_before + cta_inclusive - cta_items;
-        list.first_warp_item[position] = warp_items_before + warp_inclusive - warp_items;
       }
       count += __popc(hits);
-      cta_items_before += __shfl_sync(kFullMask, cta_inclusive, kWarpSize - 1);
-      warp_items_before += __shfl_sync(kFullMask, warp_inclusive, kWarpSize - 1);
+      cta_seqs += __popc(__ballot_sync(kFullMask, split && !uses_warp_items(end - first)));
     }
   }
+  count = min(count, kMaxSplitSeqs);
+  __syncwarp();    // pass 2 reads entries other lanes wrote
+
+  const int cta_rows = p.num_heads_k * p.rows_per_kv * cta_seqs;
+  int cta_items_before = 0, warp_items_before = 0;
+  for (int first_entry = 0; first_entry < count; first_entry += kWarpSize) {
+    const int entry = first_entry + lane;
+    const int n = entry < count ? list.num_pieces[entry] : 0;
+    const int cols = n == 0 ? 0 : uses_warp_items(n) ? slice_cols(n) : cta_item_cols(n, cta_rows, gridDim.x);
+    const int items = n == 0 ? 0 : p.num_heads_k * p.rows_per_kv * (kHeadDimV / cols);
+    const int cta_items = uses_warp_items(n) ? 0 : items, warp_items = uses_warp_items(n) ? items : 0;
+    const int cta_inclusive = warp_inclusive_scan(cta_items, lane);
+    const int warp_inclusive = warp_inclusive_scan(warp_items, lane);
+    if (entry < count) {
+      list.item_cols[entry] = cols;
+      list.first_cta_item[entry] = cta_items_before + cta_inclusive - cta_items;
+      list.first_warp_item[entry] = warp_items_before + warp_inclusive - warp_items;
+    }
+    cta_items_before += __shfl_sync(kFullMask, cta_inclusive, kWarpSize - 1);
+    warp_items_before += __shfl_sync(kFullMask, warp_inclusive, kWarpSize - 1);
+  }
   if (lane == 0) {
-    list.count = min(count, kMaxSplitSeqs);
+    list.count = count;
     list.total_cta_items = cta_items_before;
     list.total_warp_items = warp_items_before;
   }
@@ -482,7 +496,7 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
     const int entry = entry_of_item(list, list.first_cta_item, item);
     const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
     const int local_item = item - list.first_cta_item[entry];
-    switch (cta_item_cols(num_pieces, p.num_heads_k * p.rows_per_kv, gridDim.x)) {
+    switch (list.item_cols[entry]) {
       case 256: combine_cta_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
       case 128: combine_cta_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
       default: combine_cta_item<Element, 64>(p, seq, first_slot, num_pieces, local_item, cta_shared); break;
@@ -498,7 +512,7 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
     const int entry = entry_of_item(list, list.first_warp_item, item);
     const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
     const int local_item = item - list.first_warp_item[entry];
-    switch (slice_cols(num_pieces)) {
+    switch (list.item_cols[entry]) {
       case 512: combine_warp_item<Element, 512>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 256: combine_warp_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 128: combine_warp_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
