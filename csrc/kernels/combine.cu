@@ -278,8 +278,9 @@ struct PieceReader {
 //   2. The items, over the listed entries only (32 a step): each entry's item width and the two exclusive scans
 //      of the item counts. The CTA items of all many-piece sequences share the grid, so their width counts all
 //      their rows, known only after pass 1.
-// b = 1024 at h_q 16 (no split sequence) so costs the loads, 32 ballots and no scan; the earlier single pass ran two
-// warp scans per 32 sequences, on the critical path whenever the combine's CTAs start after the split ones.
+// b = 1024 at h_q 16 (no split sequence) so costs the loads and 32 steps of two shuffles and a ballot, no scan; the
+// single pass before it ran two warp scans per 32 sequences, on the critical path whenever the combine's CTAs
+// start after the split ones (H100: b = 1024, L = 512 -2.0 to -2.6 %, docs/PERF.md session 10).
 __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int lane) {
   constexpr int kPerLane = 32;
   constexpr int kSeqsPerRound = kPerLane * kWarpSize;        // 1024
