@@ -53,6 +53,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "launch.h"
 #include "params.h"
 
 namespace flash_mla {
@@ -561,21 +562,11 @@ void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   const int64_t max_ctas = std::max((max_warp_items + kCombineWarps - 1) / kCombineWarps, max_cta_items);
   const int ctas = static_cast<int>(std::min<int64_t>(max_ctas, resident_ctas<Element>()));
 
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(ctas);
-  config.blockDim = dim3(kCombineThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
   // Programmatic dependent launch: the CTAs may be scheduled once every split CTA has passed its own wait (the
-  // split kernel triggers right after it), run the prologue, and wait in griddepcontrol.wait. Captured into a CUDA graph this
-  // becomes a programmatic edge. Measured on the H100 (docs/PERF.md): 1-6% faster end to end than a plain
-  // launch on b = 1 long contexts, so there is no switch. A launch error is left for cudaGetLastError (the binding checks it).
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  cudaLaunchKernelEx(&config, mla_combine_kernel<Element>, p);
+  // split kernel triggers right after it), run the prologue, and wait in griddepcontrol.wait. Captured into a CUDA
+  // graph this becomes a programmatic edge. Measured on the H100 (docs/PERF.md): 1-6% faster end to end than a
+  // plain launch on b = 1 long contexts, so there is no switch.
+  launch_kernel(mla_combine_kernel<Element>, dim3(ctas), dim3(kCombineThreads), 0, stream, /*programmatic=*/true, p);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <cutlass/arch/grid_dependency_control.h>
 
 #include "kv_cache_tma.h"
+#include "launch.h"
 #include "mainloop.h"
 #include "params.h"
 #include "splitkv_traits.h"
@@ -70,24 +71,14 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
                                                                        : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(params.num_row_tiles, params.num_heads_k, params.num_sm_parts);
-  config.blockDim = dim3(Traits::kThreads);
-  config.dynamicSmemBytes = Traits::kSmemBytes;
-  config.stream = stream;
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled
   // before the kernel ahead of this one (the previous call's combine kernel in a decoding loop) has finished, set
   // up their barriers and wait in griddepcontrol.wait (H100, with the prologue's page-a-first order: one-tile
   // table rows -0.45 %, small-batch rows -1 %; docs/PERF.md session 9). Not for several tiles: there it cost up to
   // +21 % (b = 1024, L = 512, h_q 128), probably because the tiles of one SM part read the same pages and find
   // them in L2 only if they start together, and CTAs scheduled one by one as the combine's CTAs leave do not.
-  // Without the attribute, griddepcontrol.wait returns at once. A launch error is left for cudaGetLastError.
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = params.num_row_tiles == 1 ? 1 : 0;
-  cudaLaunchKernelEx(&config, kernel, params);
+  launch_kernel(kernel, dim3(params.num_row_tiles, params.num_heads_k, params.num_sm_parts), dim3(Traits::kThreads),
+                Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, params);
 }
 
 }  // namespace flash_mla

@@ -1,0 +1,30 @@
+// Host side: one kernel launch, as a programmatic dependent of the kernel before it on the stream or not. The
+// split and combine launchers say where and why they use programmatic dependent launch; this is only the how.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <utility>
+
+namespace flash_mla {
+
+// With `programmatic`, the grid's CTAs may be scheduled before the previous kernel on `stream` has finished; the
+// kernel must then wait in griddepcontrol.wait before it reads anything that kernel writes (without the attribute
+// that wait returns at once). A launch error is left for cudaGetLastError (the binding checks it).
+template <class... KernelArgs, class... Args>
+void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
+                   bool programmatic, Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
+  cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+}  // namespace flash_mla
