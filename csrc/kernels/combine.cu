@@ -46,7 +46,8 @@
 // order), whichever CTA or warp runs an item; no atomics. Semantics kept from the split kernel: a row with no key
 // in any piece gets out 0, lse -inf; a NaN lse_k makes the row's lse and out NaN (never mistaken for "no key").
 // Split results are read with ld.global.cg: each O element is read once, from L2, where the split kernel's
-// writes are; L1 would only hold lines this kernel never reads again.
+// writes are; L1 would only hold lines this kernel never reads again. Each partial line is then discarded from L2
+// (drop_if_line_start): dead data is not written back to DRAM.
 #include <cuda_runtime.h>
 #include <cutlass/numeric_types.h>
 
@@ -210,6 +211,25 @@ __device__ LseState warp_lse_state(const float* piece_lse, int64_t piece_stride,
   return {max, warp_sum(sum)};
 }
 
+// A partial is dead once the combine has used it, but its lines are dirty in L2 and would be written back to DRAM
+// while the next split kernel streams the cache (H100: up to 35 MB a call at b = 1, h_q 128, as much as the cache
+// read). The thread whose float4 starts a 128-byte line discards the line (no write-back). The discard must not
+// overtake the load: it is predicated on a compare of the loaded value (x == x), so it waits for that load, and
+// the line's other 7 float4 came with the same warp-wide load. (A NaN value skips the discard: harmless.)
+// Measured: beyond rows -1.6 %, table rows -1.3 % (time, geomean; docs/PERF.md session 11). The workspace is the
+// call's own (caching allocator), so nothing reads these lines afterwards.
+__device__ __forceinline__ void drop_if_line_start(const float4* partial, const float4& loaded) {
+  if ((reinterpret_cast<uintptr_t>(partial) & 127) == 0) {
+    asm volatile(
+        "{\n"
+        "  .reg .pred loaded;\n"
+        "  setp.eq.f32 loaded, %1, %1;\n"
+        "  @loaded discard.global.L2 [%0], 128;\n"
+        "}\n" ::"l"(partial), "f"(loaded.x)
+        : "memory");
+  }
+}
+
 __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4& o) {
   acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y); acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
 }
@@ -260,10 +280,14 @@ struct PieceReader {
       if (first != group) load(first);
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        if (first + i * kGroups < num_pieces) {
+        const int k = first + i * kGroups;
+        if (k < num_pieces) {
           const float w = __expf(o_lse[i] - lse);
 #pragma unroll
-          for (int v = 0; v < kVecs; ++v) add_weighted(acc[v], w, o[i][v]);
+          for (int v = 0; v < kVecs; ++v) {
+            add_weighted(acc[v], w, o[i][v]);
+            drop_if_line_start(piece_o + k * piece_o_stride + v * kColStride, o[i][v]);
+          }
         }
       }
     }
