@@ -8,7 +8,18 @@
 
 #include "params.h"
 
+// Host-callable as well, so that csrc/checks/tile_scheduler_walk.cu can walk a plan on the CPU the way the
+// mainloop does (tests/test_tile_scheduler_walk.py; nvcc or a plain C++ compiler).
+#ifdef __CUDACC__
+#define FLASH_MLA_HOST_DEVICE __host__ __device__
+#else
+#define FLASH_MLA_HOST_DEVICE
+#endif
+
 namespace flash_mla {
+
+// min() for host and device alike (CUDA's int min() is not declared for a host compiler).
+FLASH_MLA_HOST_DEVICE constexpr int smaller(int a, int b) { return a < b ? a : b; }
 
 // One unit of a CTA's work: keys [begin, end) of sequence `seq` and where its result goes.
 struct Piece {
@@ -18,7 +29,9 @@ struct Piece {
   bool split;         // true: fp32 partial to workspace slot `slot`; false: final result to out/lse
   int slot;
 
-  __device__ int num_pages() const { return end > begin ? (end - begin + kPageBlockSize - 1) / kPageBlockSize : 0; }
+  FLASH_MLA_HOST_DEVICE int num_pages() const {
+    return end > begin ? (end - begin + kPageBlockSize - 1) / kPageBlockSize : 0;
+  }
 };
 
 // The page a buffer receives next: its physical cache block, unless no page is left for that buffer. The flag
@@ -34,23 +47,24 @@ class PieceRange {
  public:
   // The pieces of SM part `part`. begin_seq == batch marks a part with no work; the clamps only guard
   // against foreign metadata.
-  __device__ PieceRange(const DecodeParams& p, int part) : p_(p), meta_(p.metadata + part * kMetadataWidth) {
+  FLASH_MLA_HOST_DEVICE PieceRange(const DecodeParams& p, int part)
+      : p_(p), meta_(p.metadata + part * kMetadataWidth) {
     begin_seq_ = meta_[kBeginSeq];
     end_seq_ = meta_[kEndSeq];
-    last_seq_ = (begin_seq_ < 0 || begin_seq_ >= p.batch) ? begin_seq_ - 1 : min(end_seq_, p.batch - 1);
+    last_seq_ = (begin_seq_ < 0 || begin_seq_ >= p.batch) ? begin_seq_ - 1 : smaller(end_seq_, p.batch - 1);
   }
 
-  __device__ int first_seq() const { return begin_seq_; }
-  __device__ int last_seq() const { return last_seq_; }
+  FLASH_MLA_HOST_DEVICE int first_seq() const { return begin_seq_; }
+  FLASH_MLA_HOST_DEVICE int last_seq() const { return last_seq_; }
 
-  __device__ Piece piece(int seq) const {
+  FLASH_MLA_HOST_DEVICE Piece piece(int seq) const {
     Piece piece;
     piece.seq = seq;
     piece.length = p_.seqlens[seq];
     // The part's first and last pieces' bounds are re-read from the metadata row (L1-resident) rather than
     // kept in registers, which the mainloop needs more.
     piece.begin = seq == begin_seq_ ? meta_[kBeginToken] : 0;
-    piece.end = seq == end_seq_ ? min(meta_[kEndToken], piece.length) : piece.length;
+    piece.end = seq == end_seq_ ? smaller(meta_[kEndToken], piece.length) : piece.length;
     const int first_slot = p_.num_splits[seq];
     piece.split = p_.num_splits[seq + 1] - first_slot > 1;
     piece.slot = first_slot + (seq == begin_seq_ ? meta_[kBeginSplit] : 0);
@@ -59,7 +73,7 @@ class PieceRange {
 
   // The first sequence at or after `seq` whose piece has a page that goes to buffer `stage` (more than
   // `stage` pages), or -1.
-  __device__ int next_seq_using(int seq, int stage) const {
+  FLASH_MLA_HOST_DEVICE int next_seq_using(int seq, int stage) const {
     for (; seq <= last_seq_; ++seq) {
       if (piece(seq).num_pages() > stage) return seq;
     }
@@ -67,21 +81,23 @@ class PieceRange {
   }
 
   // Physical block of the first page buffer `stage` receives (or kNoBlock).
-  __device__ PageBlock first_block(int stage) const { return block_of(next_seq_using(begin_seq_, stage), stage); }
+  FLASH_MLA_HOST_DEVICE PageBlock first_block(int stage) const {
+    return block_of(next_seq_using(begin_seq_, stage), stage);
+  }
 
   // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now).
-  __device__ PageBlock next_block(const Piece& current, int page, int stage) const {
+  FLASH_MLA_HOST_DEVICE PageBlock next_block(const Piece& current, int page, int stage) const {
     if (page + 2 < current.num_pages()) return page_block(current.seq, current.begin / kPageBlockSize + page + 2);
     return block_of(next_seq_using(current.seq + 1, stage), stage);
   }
 
  private:
-  __device__ PageBlock page_block(int seq, int page_in_seq) const {
+  FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq) const {
     return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true};
   }
 
   // Page `page` of seq's piece.
-  __device__ PageBlock block_of(int seq, int page) const {
+  FLASH_MLA_HOST_DEVICE PageBlock block_of(int seq, int page) const {
     if (seq < 0) return kNoBlock;
     return page_block(seq, piece(seq).begin / kPageBlockSize + page);
   }
