@@ -33,7 +33,7 @@ export_tree pairahead "$tmp/lookahead.patch" "$tmp/pair-ahead.patch"
 export_tree probe "$tmp/timeline-probe.patch"
 export_tree barrier "$tmp/discard-after-barrier.patch"
 git branch -f runner/nodiscard HEAD >/dev/null && git checkout -q runner/nodiscard
-git revert --no-edit -q 0a55f06 >/dev/null
+git revert --no-edit 0a55f06 >/dev/null
 rm -rf .trees/nodiscard && mkdir -p .trees/nodiscard && git archive HEAD | tar -x -C .trees/nodiscard
 git checkout -q - && git branch -q -D runner/nodiscard
 du -sh .whl .anchors .trees
