@@ -13,6 +13,7 @@ sequence. Needs a C++ compiler (nvcc, else the host's c++), no GPU.
 """
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import subprocess
@@ -31,7 +32,7 @@ PAGE = 64
 @pytest.fixture(scope="module")
 def walker(tmp_path_factory):
     exe = tmp_path_factory.mktemp("walk") / "tile_scheduler_walk"
-    nvcc, cxx = shutil.which("nvcc") or _cuda_nvcc(), shutil.which("c++") or shutil.which("g++")
+    nvcc, cxx = _nvcc(), shutil.which("c++") or shutil.which("g++")
     if nvcc:
         cmd = [nvcc, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'kernels'}", str(SOURCE), "-o", str(exe)]
     elif cxx:
@@ -43,9 +44,9 @@ def walker(tmp_path_factory):
     return exe
 
 
-def _cuda_nvcc():
-    candidate = Path("/usr/local/cuda/bin/nvcc")
-    return str(candidate) if candidate.exists() else None
+def _nvcc():
+    candidate = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
 
 
 def walk(exe, seqlens, parts, block_table, max_blocks):
