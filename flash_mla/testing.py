@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Dict, Optional, Sequence
 
 import torch
@@ -199,3 +202,10 @@ def decode_flops_and_bytes(seqlens: Sequence[int], s_q: int, h_q: int, h_kv: int
     flops = 2 * s_q * total * h_q * (HEAD_DIM_QK + HEAD_DIM_V)
     nbytes = 2 * (total * h_kv * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_QK + b * s_q * h_q * HEAD_DIM_V)
     return flops, nbytes
+
+
+def find_nvcc() -> Optional[str]:
+    """nvcc on PATH, else under CUDA_HOME (default /usr/local/cuda), else None: the CPU tests that compile the
+    kernels or the host-side checks use it."""
+    candidate = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
+    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)

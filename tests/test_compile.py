@@ -20,14 +20,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KERNELS = sorted((ROOT / "csrc" / "kernels").glob("*.cu"))
 sys.path.insert(0, str(ROOT))
 
+from flash_mla.testing import find_nvcc  # noqa: E402 (after the sys.path insert)
 
-def _nvcc():
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidate = Path(cuda_home) / "bin" / "nvcc"
-    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
-
-
-NVCC = _nvcc()
+NVCC = find_nvcc()
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 

@@ -13,7 +13,6 @@ sequence. Needs a C++ compiler (nvcc, else the host's c++), no GPU.
 """
 from __future__ import annotations
 
-import os
 import random
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from flash_mla.scheduler import num_sm_parts_for, pieces_of_part, schedule
+from flash_mla.testing import find_nvcc
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "csrc" / "checks" / "tile_scheduler_walk.cu"
@@ -32,7 +32,7 @@ PAGE = 64
 @pytest.fixture(scope="module")
 def walker(tmp_path_factory):
     exe = tmp_path_factory.mktemp("walk") / "tile_scheduler_walk"
-    nvcc, cxx = _nvcc(), shutil.which("c++") or shutil.which("g++")
+    nvcc, cxx = find_nvcc(), shutil.which("c++") or shutil.which("g++")
     if nvcc:
         cmd = [nvcc, "-std=c++17", "-O1", f"-I{ROOT / 'csrc' / 'kernels'}", str(SOURCE), "-o", str(exe)]
     elif cxx:
@@ -42,11 +42,6 @@ def walker(tmp_path_factory):
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
-
-
-def _nvcc():
-    candidate = Path(os.environ.get("CUDA_HOME", "/usr/local/cuda")) / "bin" / "nvcc"
-    return shutil.which("nvcc") or (str(candidate) if candidate.exists() else None)
 
 
 def walk(exe, seqlens, parts, block_table, max_blocks):
