@@ -9,7 +9,7 @@ stamp pytest-main
 sxs . main all 110
 sxs .trees/nodiscard nodisc all 110
 sxs .trees/barrier barrier all 110
-(cd $ROOT/.anchors && PYTHONPATH=$ROOT:/tmp/site timeout 50 python3 sxs.py --only beyond --csv $OUT/sxs_beyond_main2.csv > $OUT/sxs_beyond_main2.log 2>&1)
+sxs . main2 beyond 50
 stamp sxs
 (cd .trees/barrier && PYTHONPATH=$ROOT/.trees/barrier:/tmp/site timeout 100 python3 -m pytest -q -n 8 -p no:cacheprovider tests/test_flash_mla.py > $OUT/pytest_barrier.log 2>&1; echo "pytest barrier rc=$?" >> $OUT/timeline.txt)
 stamp done

@@ -8,6 +8,6 @@ stamp() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a $OUT/timeline.txt; }
 build() {  # build TREE NAME
   (cd $1 && PYTHONPATH=/tmp/site python3 setup.py build_ext --inplace > $OUT/build_$2.log 2>&1; echo "build $2 rc=$?" >> $OUT/timeline.txt)
 }
-sxs() {  # sxs TREE NAME WHAT
+sxs() {  # sxs TREE NAME WHAT [TIMEOUT_S]
   (cd $ROOT/.anchors && PYTHONPATH=$ROOT/$1:/tmp/site timeout ${4:-300} python3 sxs.py --only $3 --csv $OUT/sxs_$3_$2.csv > $OUT/sxs_$3_$2.log 2>&1; echo "sxs $3 $2 rc=$?" >> $OUT/timeline.txt)
 }

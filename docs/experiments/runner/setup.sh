@@ -17,23 +17,21 @@ ls .whl/nvidia_cutlass-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-
 cp ../shared/anchors/* .anchors/
 cp docs/experiments/runner/common.sh docs/experiments/runner/call_*.sh .probe/
 
-export_tree() {  # export_tree NAME PATCH...  (main + patches, applied in a scratch branch)
+export_tree() {  # export_tree NAME COMMAND...: main plus the commits COMMAND makes, in a scratch branch
   local name=$1; shift
   git branch -f "runner/$name" HEAD >/dev/null
   git checkout -q "runner/$name"
-  for patch in "$@"; do git am -q "$patch"; done
+  "$@" >/dev/null
   rm -rf ".trees/$name" && mkdir -p ".trees/$name" && git archive HEAD | tar -x -C ".trees/$name"
   git checkout -q -
   git branch -q -D "runner/$name"
 }
 tmp=$(mktemp -d)
 cp docs/experiments/*.patch "$tmp"/
-export_tree lookahead "$tmp/lookahead.patch"
-export_tree pairahead "$tmp/lookahead.patch" "$tmp/pair-ahead.patch"
-export_tree probe "$tmp/timeline-probe.patch"
-export_tree barrier "$tmp/discard-after-barrier.patch"
-git branch -f runner/nodiscard HEAD >/dev/null && git checkout -q runner/nodiscard
-git revert --no-edit 0a55f06 >/dev/null
-rm -rf .trees/nodiscard && mkdir -p .trees/nodiscard && git archive HEAD | tar -x -C .trees/nodiscard
-git checkout -q - && git branch -q -D runner/nodiscard
+export_tree lookahead git am -q "$tmp/lookahead.patch"
+export_tree pairahead git am -q "$tmp/lookahead.patch" "$tmp/pair-ahead.patch"
+export_tree probe git am -q "$tmp/timeline-probe.patch"
+export_tree barrier git am -q "$tmp/discard-after-barrier.patch"
+export_tree nodiscard git revert --no-edit 0a55f06
+rm -rf "$tmp"
 du -sh .whl .anchors .trees
