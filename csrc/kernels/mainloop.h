@@ -78,7 +78,16 @@ struct SplitKvMainloop {
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
   static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
+  // L2 policy of the page copies. One row tile per KV head reads each page once: evict-first keeps the streamed
+  // cache from displacing anything else. With several row tiles (h_q * s_q > 64) the tiles of an SM part read
+  // the same pages at nearly the same time, and evict-first lines were often gone before the second tile's
+  // read: ncu, b = 128, L = 8192, h_q 128, s_q 2, split kernel: DRAM bytes read 1.39x the cache with
+  // evict-first, 1.04x with evict-normal, 968 -> 953 us (docs/PERF.md, "Page copies and L2").
   static constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+  static constexpr uint64_t kEvictNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+  __device__ static uint64_t page_cache_hint(const DecodeParams& p) {
+    return p.num_row_tiles > 1 ? kEvictNormal : kEvictFirst;
+  }
 
   // ===================================== copies (global -> shared) ===========================================
 
@@ -102,7 +111,7 @@ struct SplitKvMainloop {
 
   // Segments [first_seg, first_seg + num_segs) of the page in cache block `block` into buffer `stage`: one
   // thread of the warpgroup arms each segment's barrier with the segment's bytes and issues its TMA copy
-  // (evict-first: the cache is streamed once). Nothing to do when no page is left for the buffer.
+  // (L2 policy: page_cache_hint). Nothing to do when no page is left for the buffer.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
                                 int first_seg, int num_segs) {
     if (!block.valid || threadIdx.x % kWgThreads != 0) return;
@@ -110,8 +119,9 @@ struct SplitKvMainloop {
       const int seg = first_seg + s;
       uint64_t* full = &smem.segment_full[stage][seg];
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kSegmentBytes);
-      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, kEvictFirst, smem.k[stage].data() + seg * kSegmentElems,
-                                   seg * kSegmentCols, 0, kv_head, block.block);
+      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p),
+                                   smem.k[stage].data() + seg * kSegmentElems, seg * kSegmentCols, 0, kv_head,
+                                   block.block);
     }
   }
 

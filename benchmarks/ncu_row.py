@@ -1,0 +1,121 @@
+"""One decoding row of flash_mla and of the referee's anchors under ncu, metrics side by side.
+
+Runs each implementation on the same inputs (the referee's workload: pages in random order), one warm-up call
+outside the profiled range and one call inside it, then prints one column per kernel of each implementation:
+
+    python benchmarks/ncu_row.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
+
+The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
+reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
+compressed anchors). `--raw FILE` keeps ncu's CSV.
+"""
+import argparse
+import csv
+import io
+import os
+import shutil
+import subprocess
+import sys
+
+METRICS = {
+    "duration (us)": ("gpu__time_duration.sum", 1e-3),
+    "DRAM bytes read / cache bytes": ("dram__bytes_read.sum", None),
+    "L2 sectors read by the SMs / cache sectors": ("lts__t_sectors_srcunit_tex_op_read.sum", None),
+    "instructions executed (M)": ("smsp__inst_executed.sum", 1e-6),
+    "WGMMA instructions (M)": ("smsp__inst_executed_op_gmma.sum", 1e-6),
+    "IPC (active)": ("sm__inst_executed.avg.per_cycle_active", 1.0),
+    "SM throughput (%)": ("sm__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "stall gmma / issued": ("smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio", 1.0),
+    "stall wait / issued": ("smsp__average_warps_issue_stalled_wait_per_issue_active.ratio", 1.0),
+    "stall barrier / issued": ("smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio", 1.0),
+    "stall long scoreboard / issued": ("smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+                                       1.0),
+    "grid size (CTAs)": ("launch__grid_size", 1.0),
+}
+OPTIONAL_METRIC = "smsp__inst_executed_op_gmma.sum"
+
+
+def child(args):
+    """Inside ncu: build the workload, run each implementation once warm, once profiled."""
+    import torch
+    sys.path.insert(0, os.path.abspath(args.anchors))
+    import sxs
+    lens = [args.mean] * args.b
+    q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
+    impls = {"flash_mla": sxs.FlashMLA, "v1": sxs.AnchorV1, "head": sxs.AnchorHead}
+    for name in args.impls.split(","):
+        impl = impls[name]()
+        plan = impl.plan(q, ks[0], bt, seqlens, True)
+        impl.decode(q, ks[0], bt, seqlens, plan, True)
+        torch.cuda.synchronize()
+        torch.cuda.nvtx.range_push(name)
+        torch.cuda.profiler.start()
+        impl.decode(q, ks[0], bt, seqlens, plan, True)
+        torch.cuda.synchronize()
+        torch.cuda.profiler.stop()
+        torch.cuda.nvtx.range_pop()
+    print("cache bytes", sum(lens) * 576 * 2)
+
+
+def parent(args):
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        sys.exit("ncu_row: ncu is not on PATH")
+    def run_ncu(metrics):
+        cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(metrics),
+               "--csv", "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
+        return subprocess.run(cmd, capture_output=True, text=True)
+
+    wanted = [m for m, _ in METRICS.values()]
+    res = run_ncu(wanted)
+    if res.returncode != 0 and OPTIONAL_METRIC in res.stdout + res.stderr:
+        # an ncu build that does not know the WGMMA instruction counter: the rest still says a lot
+        res = run_ncu([m for m in wanted if m != OPTIONAL_METRIC])
+    if args.raw:
+        with open(args.raw, "w") as f:
+            f.write(res.stdout)
+    if res.returncode != 0:
+        sys.exit(f"ncu_row: ncu failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    lines = res.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    rows = [r for r in rows if r.get("ID", "").isdigit()]
+    cache_bytes = args.b * args.mean * 576 * 2
+    names = [f"{r['ID']}:{r['Kernel Name'][:28]}" for r in rows]
+    print(f"# b = {args.b}, L = {args.mean}, h_q {args.h_q}, s_q {args.s_q}; cache {cache_bytes / 1e9:.3f} GB; "
+          f"implementations in order: {args.impls}")
+    print("| metric | " + " | ".join(names) + " |")
+    print("|---|" + "---|" * len(names))
+    for label, (metric, scale) in METRICS.items():
+        cells = []
+        for r in rows:
+            raw = r.get(metric, "").replace(",", "")
+            try:
+                v = float(raw)
+            except ValueError:
+                cells.append(raw or "-")
+                continue
+            if scale is None:
+                v /= cache_bytes if "bytes" in label else cache_bytes / 32
+            else:
+                v *= scale
+            cells.append(f"{v:.3g}" if v < 1000 else f"{v:.0f}")
+        print(f"| {label} | " + " | ".join(cells) + " |")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--anchors", default=".anchors", help="folder with sxs.py and the anchors")
+    ap.add_argument("--impls", default="flash_mla,head")
+    ap.add_argument("--b", type=int, default=128)
+    ap.add_argument("--mean", type=int, default=8192)
+    ap.add_argument("--h-q", type=int, default=128)
+    ap.add_argument("--s-q", type=int, default=2)
+    ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    (child if args.child else parent)(args)
+
+
+if __name__ == "__main__":
+    main()
