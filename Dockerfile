@@ -1,4 +1,4 @@
-# GPU CI image for flash_mla on Hopper runners (issue #7).
+# GPU CI image for flash_mla on Hopper runners.
 #
 #   docker build -t flash-mla-ci .
 #   docker run --rm --gpus all flash-mla-ci            # runs scripts/gpu_ci.sh; needs an sm_90 GPU

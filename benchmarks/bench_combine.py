@@ -1,4 +1,4 @@
-"""Small-batch, long-context decoding, where the split sequence's combine step matters (issue 12).
+"""Small-batch, long-context decoding, where the split sequence's combine step matters.
 
     python benchmarks/bench_combine.py [--dtype bf16] [--lengths 32768,131072] [--heads 16,128] [--num-sms N]
     ncu -k regex:mla_combine python benchmarks/bench_combine.py --reps 1   # the combine kernel alone

@@ -1,4 +1,4 @@
-"""Plan policy for small batches (issue 12 item 4): how long should the shortest piece be?
+"""Plan policy for small batches: how long should the shortest piece be?
 
     python benchmarks/plan_policy.py [--min-payloads 0,9,13,17,21,29,37] [--csv out.csv]
 

@@ -154,7 +154,7 @@ def test_non_contiguous_q_and_cache_views():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# many pieces per sequence: the combine step at 1, 2, 133 and > 1000 pieces (issue 12)
+# many pieces per sequence: the combine step at 1, 2, 133 and > 1000 pieces
 
 
 class _PoisonedTorch:

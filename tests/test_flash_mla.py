@@ -144,7 +144,7 @@ def test_deterministic():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# combine kernel (issue 12): many pieces per sequence, empty rows between split ones, attention sink
+# combine kernel: many pieces per sequence, empty rows between split ones, attention sink
 # ----------------------------------------------------------------------------------------------------------------
 
 # (pieces, length, SM parts): the device plan cuts one sequence of that length into exactly that many pieces
@@ -279,7 +279,7 @@ def _has_attn_sink():
 
 
 @needs_hopper
-@pytest.mark.skipif(not _has_attn_sink(), reason="flash_mla_with_kvcache takes no attn_sink here (issue 13's binding)")
+@pytest.mark.skipif(not _has_attn_sink(), reason="flash_mla_with_kvcache takes no attn_sink here (an older binding)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_attn_sink_on_split_and_unsplit_rows(dtype):
     """out = reference out / (1 + exp(sink[h] - lse)), lse unchanged, on split rows (the combine kernel) and unsplit

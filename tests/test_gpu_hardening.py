@@ -58,7 +58,7 @@ def _clean_environment(default_environment):
 @pytest.fixture(autouse=True)
 def _one_limits_case_at_a_time(request):
     """The limits cases take up to half of an 80 GB GPU each: under pytest-xdist (`-n 8`) two of them at once ran
-    out of memory (H100, session 9). A file lock shared by the worker processes runs them one at a time."""
+    out of memory on the H100. A file lock shared by the worker processes runs them one at a time."""
     if not request.node.name.startswith("test_limits_"):
         yield
         return

@@ -5,7 +5,10 @@
 * `ruff check` passes with the [tool.ruff] configuration of pyproject.toml.
 * The import graph of the package has no cycle (flash_mla/_geometry.py holds the constants that
   _validation.py and scheduler.py both need).
+* The repository describes the product as it is: no file of it narrates how the work was organised (numbered
+  sessions or issues, device time budgets); figures cite docs/PERF.md and dates instead.
 """
+import re
 import ast
 import importlib.util
 import os
@@ -138,3 +141,44 @@ def test_package_import_graph_has_no_cycle():
     # the constants both sides of the old cycle (_validation <-> scheduler) need live in a leaf module
     assert graph["_geometry"] == set(), "_geometry must import nothing from the package"
     assert "_geometry" in graph["_validation"] and "_geometry" in graph["scheduler"]
+
+
+# What narrating the work looks like; assembled from pieces so that this file does not match itself.
+_NARRATION = re.compile("|".join([
+    r"\b[Ss]" + r"essions? \d+",                 # numbered work sessions
+    r"\b[Ii]" + r"ssues? #?\d+",                  # issue numbers
+    r"\bdevice[- ]" + r"minutes?\b",              # device time budgets
+    r"\bwork " + r"periods?\b",
+]))
+_NARRATION_ROOTS = ("README.md", "docs/", "csrc/", "flash_mla/", "tests/", "benchmarks/", "scripts/")
+
+
+def _tracked_text_files():
+    try:
+        out = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+        files = out.splitlines()
+    except (OSError, subprocess.CalledProcessError):
+        files = []
+        for dirpath, dirnames, filenames in os.walk(ROOT):
+            dirnames[:] = sorted(d for d in dirnames if d not in SKIP_DIRS and not d.startswith("."))
+            files += [os.path.relpath(os.path.join(dirpath, n), ROOT).replace(os.sep, "/") for n in filenames]
+    return [f for f in files if f.startswith(_NARRATION_ROOTS) and os.path.isfile(os.path.join(ROOT, f))]
+
+
+def test_no_file_narrates_how_the_work_was_organised():
+    hits = []
+    for rel in _tracked_text_files():
+        try:
+            with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+                lines = f.readlines()
+        except (UnicodeDecodeError, OSError):
+            continue                                  # binary files
+        hits += [f"{rel}:{i}: {line.strip()[:100]}" for i, line in enumerate(lines, 1) if _NARRATION.search(line)]
+    assert not hits, "lines that narrate the work instead of describing the product:\n" + "\n".join(hits)
+
+
+def test_narration_pattern_catches_what_it_should():
+    for bad in ("measured in s" + "ession 9", "I" + "ssue #12 item 4", "30 device-" + "minutes", "w" + "ork period 3"):
+        assert _NARRATION.search(bad), bad
+    for good in ("pytest's session fixture", "the issues of a serving engine", "a 30-minute run", "period 3"):
+        assert not _NARRATION.search(good), good

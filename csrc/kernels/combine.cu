@@ -216,7 +216,7 @@ __device__ LseState warp_lse_state(const float* piece_lse, int64_t piece_stride,
 // read). The thread whose float4 starts a 128-byte line discards the line (no write-back). The discard must not
 // overtake the load: it is predicated on a compare of the loaded value (x == x), so it waits for that load, and
 // the line's other 7 float4 came with the same warp-wide load. (A NaN value skips the discard: harmless.)
-// Measured: beyond rows -1.6 %, table rows -1.3 % (time, geomean; docs/PERF.md session 11). The workspace is the
+// Measured: beyond rows -1.6 %, table rows -1.3 % (time, geomean; docs/PERF.md "Combine"). The workspace is the
 // call's own (caching allocator), so nothing reads these lines afterwards.
 __device__ __forceinline__ void drop_if_line_start(const float4* partial, const float4& loaded) {
   if ((reinterpret_cast<uintptr_t>(partial) & 127) == 0) {
@@ -305,7 +305,7 @@ struct PieceReader {
 //      their rows, known only after pass 1.
 // b = 1024 at h_q 16 (no split sequence) so costs the loads and 32 steps of two shuffles and a ballot, no scan; the
 // single pass before it ran two warp scans per 32 sequences, on the critical path whenever the combine's CTAs
-// start after the split ones (H100: b = 1024, L = 512 -2.0 to -2.6 %, docs/PERF.md session 10).
+// start after the split ones (H100: b = 1024, L = 512 -2.0 to -2.6 %, docs/PERF.md "Combine").
 __device__ void list_split_sequences(const DecodeParams& p, WorkList& list, int lane) {
   constexpr int kPerLane = 32;
   constexpr int kSeqsPerRound = kPerLane * kWarpSize;        // 1024

@@ -431,7 +431,7 @@ struct SplitKvMainloop {
   // The first Q tile (kPageB, cp.async) and every segment of both page buffers, issued by one thread of kPageA:
   // page a's nine segments (RoPE first, the order S takes them) before any of page b's, so that page a can land
   // first and S_a, its softmax and P_a V_a run while page b is still arriving (alone, within noise on the H100;
-  // measured and landed together with the split kernel's PDL, docs/PERF.md session 9). Later refills are the
+  // measured together with the split kernel's PDL, docs/PERF.md "Split kernel"). Later refills are the
   // segment owners' (the mbarriers are per segment; who issues a copy does not matter to them).
   template <WarpgroupRole kRole>
   __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,

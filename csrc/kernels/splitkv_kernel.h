@@ -74,7 +74,7 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled
   // before the kernel ahead of this one (the previous call's combine kernel in a decoding loop) has finished, set
   // up their barriers and wait in griddepcontrol.wait (H100, with the prologue's page-a-first order: one-tile
-  // table rows -0.45 %, small-batch rows -1 %; docs/PERF.md session 9). Not for several tiles: there it cost up to
+  // table rows -0.45 %, small-batch rows -1 %; docs/PERF.md "Split kernel"). Not for several tiles: there it cost up to
   // +21 % (b = 1024, L = 512, h_q 128), probably because the tiles of one SM part read the same pages and find
   // them in L2 only if they start together, and CTAs scheduled one by one as the combine's CTAs leave do not.
   launch_kernel(kernel, dim3(params.num_row_tiles, params.num_heads_k, params.num_sm_parts), dim3(Traits::kThreads),
