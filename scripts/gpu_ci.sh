@@ -22,7 +22,9 @@
 # Steps: env build extension gpu pytest sweep main bench. The first four are gates: when one fails the rest are
 # skipped. The others all run, and the script exits 1 if any step failed. Each step prints one PASS/FAIL/SKIP
 # banner; summary.txt gets one line per step (status, seconds, log) as the step ends, so a run cut short still
-# leaves the lines of the steps it finished.
+# leaves the lines of the steps it finished. The pytest step is judged by scripts/ci_pytest_gate.py: it fails on
+# failed tests or errors, on a run that passed no test, and on tests skipped for lack of a GPU, the extension, a
+# Hopper GPU, nvcc, CUTLASS or Triton; not on the tests meant to skip on a GPU host with the extension.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -128,7 +130,8 @@ record() {  # record STEP STATUS SECONDS LOG
 }
 
 # run_step NAME CHECK -- COMMAND...: COMMAND's output goes to the console and to the step's log; the step passes
-# when COMMAND exits 0 and then CHECK (a function given the log path, or "-" for none) returns 0.
+# when COMMAND exits 0 and CHECK (a function given the log path and COMMAND's exit status, or "-" for none) prints
+# nothing. CHECK runs whatever the exit status, so that its message also explains a failed COMMAND.
 run_step() {
     local name="$1" check="$2"
     shift 3
@@ -152,10 +155,14 @@ run_step() {
     (set -e; "$@") 2>&1 | tee "$log"
     rc=${PIPESTATUS[0]}
     set -e
+    local check_why=""
+    if [[ "$check" != "-" ]]; then
+        check_why="$("$check" "$log" "$rc")" || true
+    fi
     if [[ $rc -ne 0 ]]; then
-        why="exit status $rc"
-    elif [[ "$check" != "-" ]]; then
-        why="$("$check" "$log")" || true
+        why="exit status $rc${check_why:+: $check_why}"
+    else
+        why="$check_why"
     fi
     local seconds=$(( $(date +%s) - start ))
     if [[ -z "$why" ]]; then
@@ -275,12 +282,23 @@ if torch.cuda.get_device_capability(0) != (9, 0):
 EOF
 }
 
-# pytest: the GPU tests must have run, not skipped for want of a GPU, the extension, nvcc or Triton.
+# pytest: scripts/ci_pytest_gate.py reads the run's -rs output (tests/test_gpu_ci.py tests it on any machine). It
+# fails on pytest's exit status, on failed tests or errors, on a run that passed no test, and on tests skipped for
+# lack of the GPU stack: any skip reason that names a GPU, CUDA, Hopper, nvcc, CUTLASS or Triton, except the exact
+# reasons of its EXPECTED_ON_GPU_HOST list (tests that skip *because* the GPU and the extension are here, such as
+# test_compat.py's "needs a CUDA GPU without the CUDA extension"). Its report goes to the log and the console;
+# its last line is the step's reason for failing.
 check_pytest() {
-    local skipped
-    skipped="$(grep -E '^SKIPPED .*(needs a CUDA GPU|needs the CUDA extension|needs a Hopper|nvcc not found|triton is not installed)' "$1" | head -n 3 || true)"
-    if [[ -n "$skipped" ]]; then
-        echo "GPU tests were skipped: ${skipped//$'\n'/; }"
+    local report gate_rc=0
+    report="$("$PYTHON" scripts/ci_pytest_gate.py --exit-code "$2" "$1" 2>&1)" || gate_rc=$?
+    printf '%s\n' "$report" >>"$1"
+    printf '%s\n' "$report" >&2
+    if [[ $gate_rc -ne 0 ]]; then
+        if [[ -n "$report" ]]; then
+            tail -n 1 <<<"$report"
+        else
+            echo "scripts/ci_pytest_gate.py exited with status $gate_rc"
+        fi
     fi
 }
 

@@ -78,15 +78,17 @@ struct SplitKvMainloop {
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
   static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
-  // L2 policy of the page copies. One row tile per KV head reads each page once: evict-first keeps the streamed
-  // cache from displacing anything else. With several row tiles (h_q * s_q > 64) the tiles of an SM part read
-  // the same pages at nearly the same time, and evict-first lines were often gone before the second tile's
-  // read: ncu, b = 128, L = 8192, h_q 128, s_q 2, split kernel: DRAM bytes read 1.39x the cache with
-  // evict-first, 1.04x with evict-normal, 968 -> 953 us (docs/PERF.md, "Page copies and L2").
+  // L2 policy of the page copies. Evict-first by default: the cache is streamed once and must not displace what
+  // else is in L2, above all the fp32 partials of split pieces, which the combine reads next. With several row
+  // tiles per KV head (h_q * s_q > 64) the tiles of an SM part read the same pages at nearly the same time, and
+  // evict-first lines were often gone before the later tiles' reads (ncu, b = 128, L = 8192, h_q 128, s_q 2:
+  // DRAM bytes 1.39x the cache, 1.04x with evict-normal). Evict-normal everywhere then cost the split pieces of
+  // small batches up to +13 % (b = 1, h_q 128; the speculative rows +11 %) while it saved up to 5 % on the unsplit
+  // ones, so it applies to pages of unsplit pieces only (docs/PERF.md, "L2 policy of the page copies").
   static constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
   static constexpr uint64_t kEvictNormal = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
-  __device__ static uint64_t page_cache_hint(const DecodeParams& p) {
-    return p.num_row_tiles > 1 ? kEvictNormal : kEvictFirst;
+  __device__ static uint64_t page_cache_hint(const DecodeParams& p, PageBlock block) {
+    return p.num_row_tiles > 1 && !block.split ? kEvictNormal : kEvictFirst;
   }
 
   // ===================================== copies (global -> shared) ===========================================
@@ -119,7 +121,7 @@ struct SplitKvMainloop {
       const int seg = first_seg + s;
       uint64_t* full = &smem.segment_full[stage][seg];
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kSegmentBytes);
-      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p),
+      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p, block),
                                    smem.k[stage].data() + seg * kSegmentElems, seg * kSegmentCols, 0, kv_head,
                                    block.block);
     }

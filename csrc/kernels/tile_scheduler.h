@@ -36,12 +36,14 @@ struct Piece {
 
 // The page a buffer receives next: its physical cache block, unless no page is left for that buffer. The flag
 // is separate so that no block-table entry (even a bad one, which the TMA copy turns into zeros) means "none",
-// and the entry stays a plain 32-bit load whose latency hides behind the pair's work.
+// and the entry stays a plain 32-bit load whose latency hides behind the pair's work. `split`: the page belongs
+// to a split piece, whose result goes to the fp32 workspace (the page copies' L2 policy depends on it).
 struct PageBlock {
   int block;
   bool valid;
+  bool split;
 };
-constexpr PageBlock kNoBlock{0, false};
+constexpr PageBlock kNoBlock{0, false, false};
 
 class PieceRange {
  public:
@@ -87,19 +89,22 @@ class PieceRange {
 
   // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now).
   FLASH_MLA_HOST_DEVICE PageBlock next_block(const Piece& current, int page, int stage) const {
-    if (page + 2 < current.num_pages()) return page_block(current.seq, current.begin / kPageBlockSize + page + 2);
+    if (page + 2 < current.num_pages()) {
+      return page_block(current.seq, current.begin / kPageBlockSize + page + 2, current.split);
+    }
     return block_of(next_seq_using(current.seq + 1, stage), stage);
   }
 
  private:
-  FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq) const {
-    return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true};
+  FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq, bool split) const {
+    return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true, split};
   }
 
   // Page `page` of seq's piece.
   FLASH_MLA_HOST_DEVICE PageBlock block_of(int seq, int page) const {
     if (seq < 0) return kNoBlock;
-    return page_block(seq, piece(seq).begin / kPageBlockSize + page);
+    const Piece next = piece(seq);
+    return page_block(seq, next.begin / kPageBlockSize + page, next.split);
   }
 
   const DecodeParams& p_;
