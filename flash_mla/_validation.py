@@ -8,7 +8,14 @@ wrong. Nothing here reads tensor values, so nothing synchronises with the GPU.
 
 Opt-in debug mode (environment variable FLASH_MLA_DEBUG=1, read at every call) adds value checks that do read
 the tensors, with a host synchronisation: lengths >= 0 and within the block table, block-table entries in range,
-metadata that matches the lengths, finite queries (`check_decode_values`, `check_metadata_values`).
+metadata that matches the lengths, finite queries, finite positive FP8 descales (`check_decode_values`,
+`check_metadata_values`).
+
+FP8 KV cache (flash_mla/fp8.py): k_cache float8_e4m3fn with descale_k, and q either float8_e4m3fn with descale_q or
+bf16 / fp16 without one. A descale is a float32 tensor of shape (1,) on q's device. Missing or superfluous
+descales, and an fp8 q with a half-precision cache, are TypeErrors (a wrong type of argument); a descale of the
+wrong shape or device is a ValueError. `is_fp8_kvcache` (from flash_mla_with_kvcache) must agree with the cache's
+dtype: True with a bf16/fp16 cache, or False with an fp8 cache, is a TypeError naming k_cache.
 """
 from __future__ import annotations
 
@@ -18,10 +25,12 @@ import os
 import torch
 
 from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, METADATA_WIDTH, PAGE_BLOCK_SIZE
+from .fp8 import FP8_DTYPE
 from .scheduler import schedule  # the Python twin of the device scheduler (debug mode compares the plan with it)
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-VECTOR_ELEMS = 8           # kernels move 16-byte vectors: strides must be multiples of 8 half-precision elements
+Q_DTYPES = (*SUPPORTED_DTYPES, FP8_DTYPE)      # an fp8 q needs an fp8 cache
+VECTOR_BYTES = 16          # kernels move 16-byte vectors: strides in multiples of 8 half (16 fp8) elements
 DEBUG_ENV_VAR = "FLASH_MLA_DEBUG"
 INT32_MAX = 2 ** 31 - 1
 MAX_SM_PARTS = 1024        # the CUDA metadata kernel keeps per-part state in shared memory (csrc/kernels/metadata.cu)
@@ -70,9 +79,10 @@ class _Checker:
     def vector_strides(self, arg: str, t: torch.Tensor, pointers: bool = True) -> None:
         if t.stride(-1) != 1:
             self.fail(ValueError, arg, "a contiguous last dimension (stride 1)", f"strides {t.stride()}")
-        if any(s % VECTOR_ELEMS for s in t.stride()[:-1]) or (pointers and t.data_ptr() % 16):
-            self.fail(ValueError, arg, f"16-byte aligned rows (strides multiples of {VECTOR_ELEMS} elements)",
-                      f"strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % 16}")
+        elems = VECTOR_BYTES // t.element_size()
+        if any(s % elems for s in t.stride()[:-1]) or (pointers and t.data_ptr() % VECTOR_BYTES):
+            self.fail(ValueError, arg, f"16-byte aligned rows (strides multiples of {elems} elements)",
+                      f"strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % VECTOR_BYTES}")
 
 
 def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q=None) -> None:
@@ -95,8 +105,23 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_he
                    "num_heads_q)", num_heads_q)
 
 
+def _descale_ok(t, device) -> bool:
+    return (isinstance(t, torch.Tensor) and t.dtype == torch.float32 and t.dim() == 1 and t.shape[0] == 1
+            and t.device == device)
+
+
+def _dtypes_ok(q, k_cache, descale_q, descale_k, is_fp8_kvcache) -> bool:
+    """The dtype rules of q and k_cache and the presence of the FP8 descales (see the module docstring)."""
+    if k_cache.dtype != FP8_DTYPE:
+        return (q.dtype in SUPPORTED_DTYPES and k_cache.dtype == q.dtype and descale_q is None and descale_k is None
+                and not is_fp8_kvcache)
+    return ((is_fp8_kvcache is None or is_fp8_kvcache is True) and _descale_ok(descale_k, q.device)
+            and (_descale_ok(descale_q, q.device) if q.dtype == FP8_DTYPE
+                 else (q.dtype in SUPPORTED_DTYPES and descale_q is None)))
+
+
 def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, softmax_scale, causal, attn_sink,
-                    pointers: bool) -> bool:
+                    pointers: bool, descale_q=None, descale_k=None, is_fp8_kvcache=None) -> bool:
     """True only if every check of `_check_decode_args` passes (it may be False when they would all pass too:
     then the detailed checks simply run). One flat expression, because it runs on every call."""
     T = torch.Tensor
@@ -106,17 +131,19 @@ def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, 
     if q.dim() != 4 or k_cache.dim() != 4 or block_table.dim() != 2 or cache_seqlens.dim() != 1 \
             or md.dim() != 2 or ns.dim() != 1:
         return False
+    if not _dtypes_ok(q, k_cache, descale_q, descale_k, is_fp8_kvcache):
+        return False
     b, s_q, h_q, d = q.shape
     _, page, h_kv, d_k = k_cache.shape
     qs, ks = q.stride(), k_cache.stride()
+    vq, vk = VECTOR_BYTES // q.element_size(), VECTOR_BYTES // k_cache.element_size()   # elements per vector
     dev = q.device
     i32 = torch.int32
-    return (q.dtype in SUPPORTED_DTYPES and k_cache.dtype == q.dtype
-            and b > 0 and s_q > 0 and h_q > 0 and d == HEAD_DIM_QK
-            and qs[3] == 1 and qs[0] % VECTOR_ELEMS == 0 and qs[1] % VECTOR_ELEMS == 0 and qs[2] % VECTOR_ELEMS == 0
+    return (b > 0 and s_q > 0 and h_q > 0 and d == HEAD_DIM_QK
+            and qs[3] == 1 and qs[0] % vq == 0 and qs[1] % vq == 0 and qs[2] % vq == 0
             and k_cache.shape[0] > 0 and page == PAGE_BLOCK_SIZE and d_k == HEAD_DIM_QK
             and h_kv > 0 and h_q % h_kv == 0
-            and ks[3] == 1 and ks[0] % VECTOR_ELEMS == 0 and ks[1] % VECTOR_ELEMS == 0 and ks[2] % VECTOR_ELEMS == 0
+            and ks[3] == 1 and ks[0] % vk == 0 and ks[1] % vk == 0 and ks[2] % vk == 0
             and type(head_dim_v) is int and head_dim_v == HEAD_DIM_V
             and block_table.dtype == i32 and block_table.shape[0] == b
             and (block_table.shape[1] == 0 or block_table.stride(1) == 1)
@@ -131,30 +158,73 @@ def _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v, md, ns, 
             and (attn_sink is None or (isinstance(attn_sink, T) and attn_sink.dtype == torch.float32
                                        and attn_sink.dim() == 1 and attn_sink.shape[0] == h_q
                                        and attn_sink.device == dev))
-            and (not pointers or (q.data_ptr() % 16 == 0 and k_cache.data_ptr() % 16 == 0)))
+            and (not pointers or (q.data_ptr() % VECTOR_BYTES == 0 and k_cache.data_ptr() % VECTOR_BYTES == 0)))
 
 
 def check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                       softmax_scale: float | None, causal, attn_sink=None, pointers: bool = True,
-                      planned_here: bool = False) -> None:
+                      planned_here: bool = False, descale_q=None, descale_k=None, is_fp8_kvcache=None,
+                      fn: str = "flash_mla_with_kvcache") -> None:
     """Raise the documented exception for the first bad argument. `pointers=False` skips the 16-byte alignment
     of data pointers (fake tensors under torch.compile have none; the real call checks it again).
     `planned_here=True`: the plan does not exist yet (a lazy schedule's first call checks everything else before
-    planning from these shapes), so tile_scheduler_metadata and num_splits are not checked."""
+    planning from these shapes), so tile_scheduler_metadata and num_splits are not checked.
+    `descale_q`, `descale_k`: the FP8 scales (see the module docstring). `is_fp8_kvcache`: the caller's flag, which
+    must agree with k_cache's dtype; None (the torch.library op, which has no such flag) takes the dtype's word.
+    `fn`: the public function named in messages."""
     if not planned_here and _decode_args_ok(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                             tile_scheduler_metadata, num_splits, softmax_scale, causal, attn_sink,
-                                            pointers):
+                                            pointers, descale_q, descale_k, is_fp8_kvcache):
         return
     _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal, attn_sink, pointers, planned_here)
+                       softmax_scale, causal, attn_sink, pointers, planned_here, descale_q, descale_k,
+                       is_fp8_kvcache, fn)
+
+
+def _check_cache_dtype(c: _Checker, q: torch.Tensor, k_cache: torch.Tensor, is_fp8_kvcache) -> None:
+    """k_cache's dtype against q's and against the is_fp8_kvcache flag."""
+    fp8 = str(FP8_DTYPE)
+    as_uint8 = (" (a cache stored as uint8 bytes: pass k_cache.view(torch.float8_e4m3fn))"
+                if k_cache.dtype == torch.uint8 else "")
+    if k_cache.dtype == FP8_DTYPE:
+        if is_fp8_kvcache is False:
+            c.fail(TypeError, "k_cache", "a bf16 or fp16 cache, since is_fp8_kvcache=False (for a float8_e4m3fn "
+                   "cache pass is_fp8_kvcache=True and descale_k, or call flash_mla_with_kvcache_fp8)", k_cache.dtype)
+        return
+    if is_fp8_kvcache:
+        c.fail(TypeError, "k_cache", f"dtype {fp8}, since is_fp8_kvcache=True{as_uint8}", k_cache.dtype)
+    if q.dtype == FP8_DTYPE:
+        c.fail(TypeError, "k_cache", f"dtype {fp8} (q is {fp8}: an fp8 q needs an fp8 cache){as_uint8}",
+               k_cache.dtype)
+    if k_cache.dtype != q.dtype:
+        c.fail(TypeError, "k_cache", f"the dtype of q ({q.dtype}), or {fp8} with descale_k{as_uint8}",
+               k_cache.dtype)
+
+
+def _check_descale(c: _Checker, arg: str, t, wanted: bool, why: str, device: torch.device) -> None:
+    """A descale is given exactly when its tensor is fp8, as a float32 tensor of shape (1,) on q's device."""
+    if not wanted:
+        if t is not None:
+            c.fail(TypeError, arg, f"None ({why})", type(t).__name__)
+        return
+    if t is None:
+        c.fail(TypeError, arg, f"a float32 tensor of shape (1,) on q's device ({why})", "None")
+    c.tensor(arg, t)
+    c.dtype(arg, t, torch.float32)
+    if t.dim() != 1 or t.shape[0] != 1:
+        c.fail(ValueError, arg, "shape (1,): one per-tensor scale (a 0-d scale: .reshape(1))",
+               f"shape {tuple(t.shape)}")
+    c.device(arg, t, device)
 
 
 def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale: float | None, causal, attn_sink, pointers: bool, planned_here: bool) -> None:
-    c = _Checker("flash_mla_with_kvcache")
+                       softmax_scale: float | None, causal, attn_sink, pointers: bool, planned_here: bool,
+                       descale_q=None, descale_k=None, is_fp8_kvcache=None,
+                       fn: str = "flash_mla_with_kvcache") -> None:
+    c = _Checker(fn)
     c.tensor("q", q)
     c.rank("q", q, 4, "(batch_size, seqlen_q, num_heads_q, head_dim)")
-    c.dtype("q", q, SUPPORTED_DTYPES)
+    c.dtype("q", q, Q_DTYPES)
     b, s_q, h_q, d = q.shape
     if b == 0 or s_q == 0 or h_q == 0:
         c.fail(ValueError, "q", "batch_size, seqlen_q and num_heads_q >= 1", f"shape {tuple(q.shape)}")
@@ -163,8 +233,7 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
 
     c.tensor("k_cache", k_cache)
     c.rank("k_cache", k_cache, 4, "(num_blocks, page_block_size, num_heads_k, head_dim)")
-    if k_cache.dtype != q.dtype:
-        c.fail(TypeError, "k_cache", f"the dtype of q ({q.dtype})", k_cache.dtype)
+    _check_cache_dtype(c, q, k_cache, is_fp8_kvcache)
     c.device("k_cache", k_cache, q.device)
     if k_cache.shape[0] == 0:
         c.fail(ValueError, "k_cache", "at least one block", f"shape {tuple(k_cache.shape)}")
@@ -212,6 +281,14 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
         c.device("attn_sink", attn_sink, q.device)
         c.dim("attn_sink", attn_sink, 0, h_q, "num_heads_q, equal to q's")
 
+    fp8_cache = k_cache.dtype == FP8_DTYPE
+    _check_descale(c, "descale_k", descale_k, fp8_cache,
+                   "true cache value = stored value * descale_k" if fp8_cache
+                   else f"k_cache is {k_cache.dtype}, not fp8: only an fp8 cache is scaled", q.device)
+    _check_descale(c, "descale_q", descale_q, q.dtype == FP8_DTYPE,
+                   "true query value = stored value * descale_q" if q.dtype == FP8_DTYPE
+                   else f"q is {q.dtype}, not fp8: only an fp8 q is scaled", q.device)
+
 
 def _check_plan(c: _Checker, tile_scheduler_metadata, num_splits, device: torch.device, b: int) -> None:
     if tile_scheduler_metadata is None and num_splits is None:
@@ -257,14 +334,16 @@ def check_metadata_values(cache_seqlens: torch.Tensor) -> None:
     _check_lengths(_Checker("get_mla_metadata"), cache_seqlens.tolist(), None)
 
 
-def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits) -> None:
+def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                        descale_q=None, descale_k=None) -> None:
     """Debug mode, flash_mla_with_kvcache (arguments already passed `check_decode_args`); reads the tensors.
 
     * 0 <= cache_seqlens[i] <= block_table.shape[1] * 64;
     * every block_table entry sequence i reads (its first ceil(L_i / 64) pages) lies in [0, num_blocks);
     * tile_scheduler_metadata and num_splits are exactly what get_mla_metadata gives for these lengths (with
       tile_scheduler_metadata.shape[0] SM parts): metadata from another step or another batch is caught here;
-    * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything).
+    * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything);
+    * the FP8 descales, when given, are finite and > 0.
     Raises ValueError naming the sequence and the bad entry.
     """
     c = _Checker("flash_mla_with_kvcache")
@@ -295,9 +374,16 @@ def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_m
         c.fail(ValueError, "tile_scheduler_metadata", "the get_mla_metadata result for these cache_seqlens "
                f"(metadata from another step or batch?): row {p} = {expected_md[p]}", f"row {p} = {got_md[p]}")
 
+    for arg, descale in (("descale_q", descale_q), ("descale_k", descale_k)):
+        if descale is not None:
+            value = float(descale[0])
+            if not math.isfinite(value) or value <= 0:
+                c.fail(ValueError, arg, "a finite scale > 0", value)
+
     live = cache_seqlens > 0
     if bool(live.any()):
-        finite = torch.isfinite(q).flatten(1).all(dim=1) | ~live
+        values = q.float() if q.dtype == FP8_DTYPE else q      # (isfinite has no float8 kernel)
+        finite = torch.isfinite(values).flatten(1).all(dim=1) | ~live
         if not bool(finite.all()):
             i = int((~finite).nonzero()[0])
             c.fail(ValueError, f"q[{i}]", f"finite values (sequence {i} has {seqlens[i]} tokens)", "NaN or Inf")

@@ -10,6 +10,11 @@ when the extension is built, else "triton". A backend can be forced with the `ba
 FLASH_MLA_BACKEND environment variable (the keyword wins); forcing one that cannot run raises RuntimeError.
 "triton" with CPU tensors runs the kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before triton
 was imported (slow; for debugging the kernels on a machine without a GPU).
+
+FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py): the compiled extension has no fp8 kernel yet, so an fp8
+call on a GPU goes to "triton" automatically (which loads the fp8 cache directly; it needs compute capability 8.9+),
+and forcing "cuda" for one raises RuntimeError saying the CUDA fp8 kernel is not built. CPU tensors: "cpu"
+dequantises and computes. This rule lives in one place: `_unavailable_reason(..., fp8=True)` below.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from typing import Optional
 import torch
 
 from . import _validation
+from .fp8 import FP8_DTYPE
 from .scheduler import get_mla_metadata_twin, num_sm_parts_for
 
 BACKENDS = ("cuda", "triton", "cpu")
@@ -56,8 +62,13 @@ def triton_interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
-    """Why `backend` cannot run on tensors of `device`, or None if it can."""
+# Why the cuda backend refuses fp8 calls. When the extension gains an fp8 kernel, this is the one place to change.
+CUDA_FP8_UNAVAILABLE = ("the CUDA fp8 kernel is not built (the compiled extension runs bf16/fp16 caches only); "
+                        "fp8 calls run on the triton backend, which automatic selection picks for them")
+
+
+def _unavailable_reason(backend: str, device: torch.device, fp8: bool = False) -> Optional[str]:
+    """Why `backend` cannot run on tensors of `device`, or None if it can. `fp8`: the call has an fp8 KV cache."""
     if backend == "cpu":
         return None if device.type == "cpu" else f"the cpu backend needs CPU tensors, q is on {device}"
     if backend == "triton" and device.type == "cpu":
@@ -69,6 +80,8 @@ def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     elif device.type != "cuda":
         return f"the {backend} backend needs CUDA tensors, q is on {device}"
     if backend == "cuda":
+        if fp8:
+            return CUDA_FP8_UNAVAILABLE
         ext, why = _import("flash_mla._cuda")
         if ext is None:
             note = _build_note()
@@ -82,18 +95,18 @@ def _unavailable_reason(backend: str, device: torch.device) -> Optional[str]:
     module, why = _import("flash_mla.triton_backend")
     if module is None:
         return f"the triton backend could not be imported ({why})"
-    return module.unavailable_reason(device)
+    return module.unavailable_reason(device, fp8)
 
 
-def select_backend(device: torch.device, requested: Optional[str] = None) -> str:
-    """Name of the backend that runs a call on `device` (see module docstring)."""
+def select_backend(device: torch.device, requested: Optional[str] = None, fp8: bool = False) -> str:
+    """Name of the backend that runs a call on `device` (see module docstring); `fp8`: an fp8 KV cache."""
     if requested is None:
         requested = os.environ.get(ENV_VAR) or None
     if requested is not None:
         if requested not in BACKENDS:
             raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), "
                              f"got {requested!r}")
-        reason = _unavailable_reason(requested, device)
+        reason = _unavailable_reason(requested, device, fp8)
         if reason is not None:
             raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
         return requested
@@ -101,10 +114,12 @@ def select_backend(device: torch.device, requested: Optional[str] = None) -> str
         return "cpu"
     if device.type == "cuda":
         for candidate in ("cuda", "triton"):
-            if _unavailable_reason(candidate, device) is None:
+            if _unavailable_reason(candidate, device, fp8) is None:
                 return candidate
-        raise RuntimeError(f"flash_mla: no backend can run on {device}: cuda: {_unavailable_reason('cuda', device)}; "
-                           f"triton: {_unavailable_reason('triton', device)}")
+        what = "an fp8 KV cache" if fp8 else "tensors"
+        raise RuntimeError(f"flash_mla: no backend can run {what} on {device}: "
+                           f"cuda: {_unavailable_reason('cuda', device, fp8)}; "
+                           f"triton: {_unavailable_reason('triton', device, fp8)}")
     raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
 
 
@@ -142,11 +157,15 @@ def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_hea
 def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
                softmax_scale: float, causal: bool, backend: str | None,
-               attn_sink: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode on the selected backend (see `select_backend`); FLASH_MLA_DEBUG=1 checks the values first."""
+               attn_sink: torch.Tensor | None = None, descale_q: torch.Tensor | None = None,
+               descale_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode on the selected backend (see `select_backend`); FLASH_MLA_DEBUG=1 checks the values first.
+    descale_q / descale_k: the FP8 scales (k_cache float8_e4m3fn), else None."""
     if _validation.debug_enabled():
-        _validation.check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits)
-    name = select_backend(q.device, backend)
+        _validation.check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
+                                        descale_q, descale_k)
+    fp8 = k_cache.dtype == FP8_DTYPE
+    name = select_backend(q.device, backend, fp8)
     if name == "cuda":
         # attn_sink only when given: an extension built before it existed still runs every call without one
         sink = () if attn_sink is None else (attn_sink,)
@@ -155,7 +174,7 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
     if name == "triton":
         from .triton_backend import mla_decode_triton
         return mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                 num_splits, softmax_scale, causal, attn_sink)
+                                 num_splits, softmax_scale, causal, attn_sink, descale_q, descale_k)
     from .cpu_backend import mla_decode_cpu
     return mla_decode_cpu(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                          num_splits, softmax_scale, causal, attn_sink)
+                          num_splits, softmax_scale, causal, attn_sink, descale_q, descale_k)

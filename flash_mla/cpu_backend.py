@@ -6,6 +6,8 @@ sequences are written straight to `out`/`lse`, split pieces go to a float32 work
 and a combine step merges them with a log-sum-exp. Results therefore match the reference to float32 rounding
 for any metadata `get_mla_metadata` produces. An attention sink scales a row's output where its final result is
 written (the split step for unsplit sequences, the combine step for split ones), as the kernels do.
+An FP8 cache (float8_e4m3fn with descale_k; q float8_e4m3fn with descale_q, or bf16 / fp16) is dequantised as it
+is read (true value = stored value * descale, in float32), then computed as above; out is bf16 for an fp8 q.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from ._geometry import PAGE_BLOCK_SIZE
+from .fp8 import decode_out_dtype
 from .scheduler import pieces_of_part
 
 LOG2E = math.log2(math.e)
@@ -22,8 +25,10 @@ LOG2E = math.log2(math.e)
 
 def _partial_attention(q_rows: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, seq: int,
                        kv_head: int, begin: int, end: int, length: int, last_visible: torch.Tensor,
-                       head_dim_v: int, scale_log2: float) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Online softmax over keys [begin, end) of one sequence, one page at a time.
+                       head_dim_v: int, scale_log2: float,
+                       k_descale: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Online softmax over keys [begin, end) of one sequence, one page at a time. k_descale: an fp8 cache's scale
+    ((1,) float32), which dequantises each page as it is read.
 
     Returns the normalised partial output (rows, head_dim_v) and its natural-log lse (rows,); rows that saw
     no key in the range get 0 and -inf.
@@ -35,6 +40,8 @@ def _partial_attention(q_rows: torch.Tensor, k_cache: torch.Tensor, block_table:
     for page_start in range(begin, end, PAGE_BLOCK_SIZE):
         page = int(block_table[seq, page_start // PAGE_BLOCK_SIZE])
         kv = k_cache[page, :, kv_head].float()                                   # (64, d)
+        if k_descale is not None:
+            kv = kv * k_descale                                                   # dequantise: stored * descale
         token = page_start + torch.arange(PAGE_BLOCK_SIZE)
         in_range = token < min(end, length)
         kv = torch.where(in_range[:, None], kv, 0.0)                              # slots past L may hold NaN
@@ -77,9 +84,11 @@ def combine_pieces(o_pieces: torch.Tensor, lse_pieces: torch.Tensor) -> Tuple[to
 
 def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,
                    head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
-                   softmax_scale: float, causal: bool,
-                   attn_sink: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Split-KV MLA decoding on the CPU. Inputs are validated by the caller."""
+                   softmax_scale: float, causal: bool, attn_sink: Optional[torch.Tensor] = None,
+                   descale_q: Optional[torch.Tensor] = None,
+                   descale_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split-KV MLA decoding on the CPU. Inputs are validated by the caller. descale_q / descale_k: the (1,)
+    float32 scales of an fp8 q / cache (None otherwise)."""
     b, s_q, h_q, d = q.shape
     h_kv = k_cache.shape[2]
     group = h_q // h_kv
@@ -88,7 +97,8 @@ def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Te
     seqlens = cache_seqlens.tolist()
     splits = num_splits.tolist()
 
-    out = torch.empty(b, s_q, h_q, head_dim_v, dtype=q.dtype)
+    out_dtype = decode_out_dtype(q.dtype)
+    out = torch.empty(b, s_q, h_q, head_dim_v, dtype=out_dtype)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32)
     num_slots = splits[-1]
     o_workspace = torch.full((num_slots, h_kv, rows, head_dim_v), math.nan)
@@ -98,7 +108,7 @@ def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Te
         heads = slice(kv_head * group, (kv_head + 1) * group)
         if attn_sink is not None:   # row r is token r // group of head kv_head * group + r % group
             o_rows = o_rows * sink_scale(attn_sink[heads].float().repeat(s_q), lse_rows)[:, None]
-        out[seq, :, heads] = o_rows.reshape(s_q, group, head_dim_v).to(q.dtype)
+        out[seq, :, heads] = o_rows.reshape(s_q, group, head_dim_v).to(out_dtype)
         lse[seq, heads] = lse_rows.reshape(s_q, group).T
 
     # ---- split kernel: every SM part walks its pieces ------------------------------------------------------
@@ -109,9 +119,11 @@ def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Te
             last_visible = (length - s_q + token_of_row) if causal else torch.full((rows,), length - 1)
             for kv_head in range(h_kv):
                 q_rows = q[piece.seq, :, kv_head * group:(kv_head + 1) * group].reshape(rows, d).float()
+                if descale_q is not None:
+                    q_rows = q_rows * descale_q
                 o_rows, lse_rows = _partial_attention(q_rows, k_cache, block_table, piece.seq, kv_head,
                                                       piece.begin_token, piece.end_token, length, last_visible,
-                                                      head_dim_v, scale_log2)
+                                                      head_dim_v, scale_log2, descale_k)
                 if piece.num_pieces == 1:
                     write_final(piece.seq, kv_head, o_rows, lse_rows)
                 else:

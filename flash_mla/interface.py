@@ -13,6 +13,12 @@ Three call forms (README.md "API"):
   * the keyword arguments engines pass (num_heads_q, is_fp8_kvcache, topk, indices, attn_sink, ...): supported
     values work, unsupported ones raise NotImplementedError naming the argument.
 
+FP8 KV cache (flash_mla/fp8.py): ``flash_mla_with_kvcache_fp8(q, k_cache, ..., descale_q=..., descale_k=...)``
+(vLLM's call), or ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, descale_q=..., descale_k=...)``; both take
+the classic plan or a lazy schedule (the plan does not depend on the cache's dtype, so get_mla_metadata accepts
+is_fp8_kvcache=True and plans as usual). Backends: see flash_mla/backends.py (the triton backend runs fp8 calls on
+a GPU; "cpu" dequantises).
+
 Eager calls go straight to the backend (validation + dispatch cost a few microseconds per call). While
 torch.compile traces a call, it goes through the torch.library ops of flash_mla.ops instead, so a decoding
 step compiles into one graph (fullgraph=True works, for the lazy schedule too).
@@ -84,9 +90,7 @@ def _not_implemented(fn: str, arg: str, what: str, expected: str, got: object) -
     raise NotImplementedError(f"{fn}: {arg}: {what} is not supported; expected {expected}, got {got!r}")
 
 
-def _check_unsupported_metadata_keywords(is_fp8_kvcache, topk) -> None:
-    if is_fp8_kvcache:
-        _not_implemented("get_mla_metadata", "is_fp8_kvcache", "an FP8 KV cache", "False", is_fp8_kvcache)
+def _check_unsupported_metadata_keywords(topk) -> None:
     if topk is not None:
         _not_implemented("get_mla_metadata", "topk", "sparse attention (top-k)", "None", topk)
 
@@ -105,8 +109,9 @@ def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per
             later name ``num_q_tokens_per_head_k`` is accepted as a keyword too).
         num_heads_k: number of KV heads (1 for DeepSeek MLA).
         num_heads_q: optional, the number of query heads (upstream passes it; checked, not needed).
-        is_fp8_kvcache, topk: FP8 caches and sparse attention are not supported: True / not None raise
-            NotImplementedError.
+        is_fp8_kvcache: accepted, True or False: the plan of an FP8 KV cache is the same as a bf16 one's (the
+            scheduler counts pages, not bytes).
+        topk: sparse attention is not supported: not None raises NotImplementedError.
         num_sms: multiprocessors to plan for; default: the GPU's count, or 132 (an H100) for CPU tensors.
 
     Returns:
@@ -117,10 +122,10 @@ def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per
     with no host synchronisation (CUDA-graph safe).
 
     Upstream's current form, ``get_mla_metadata()`` (no cache_seqlens; other keywords are accepted and ignored,
-    except that is_fp8_kvcache and topk are checked and num_sms is kept): returns ``(MLASchedule(), None)``,
+    except that topk is checked and num_sms is kept): returns ``(MLASchedule(), None)``,
     a schedule the first flash_mla_with_kvcache call fills in (see MLASchedule).
     """
-    _check_unsupported_metadata_keywords(is_fp8_kvcache, topk)
+    _check_unsupported_metadata_keywords(topk)
     if cache_seqlens is None:
         if num_sms is not None:
             _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
@@ -149,14 +154,15 @@ def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per
     return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
 
 
-def _plan(schedule: MLASchedule, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
-          attn_sink) -> Tuple[torch.Tensor, torch.Tensor]:
+def _plan(fn: str, schedule: MLASchedule, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
+          attn_sink, descale_q, descale_k, is_fp8_kvcache) -> Tuple[torch.Tensor, torch.Tensor]:
     """The plan of a lazy schedule: made (and stored) by its first call, checked against the shapes of later ones."""
     if schedule.tile_scheduler_metadata is None:
         # every argument but the plan, with the classic form's messages, before planning from their shapes
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, None, None,
                                       softmax_scale, causal, attn_sink=attn_sink, pointers=not _is_compiling(),
-                                      planned_here=True)
+                                      planned_here=True, descale_q=descale_q, descale_k=descale_k,
+                                      is_fp8_kvcache=is_fp8_kvcache, fn=fn)
         b, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
         md, ns = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv, num_sms=schedule.num_sms)
@@ -169,7 +175,7 @@ def _plan(schedule: MLASchedule, q, k_cache, block_table, cache_seqlens, head_di
             names = ("batch_size", "seqlen_q", "num_heads_q", "num_heads_k")
             planned = ", ".join(f"{n}={v}" for n, v in zip(names, schedule.shape))
             given = ", ".join(f"{n}={v}" for n, v in zip(names, shape))
-            raise ValueError(f"flash_mla_with_kvcache: tile_scheduler_metadata: expected the shapes the schedule was "
+            raise ValueError(f"{fn}: tile_scheduler_metadata: expected the shapes the schedule was "
                              f"planned for on its first call ({planned}), got {given}; a schedule from "
                              "get_mla_metadata() serves one batch (one decoding step): take a new one")
     # (malformed q or k_cache on a later call: the classic checks below name them)
@@ -184,12 +190,15 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
                            extra_indices_in_kvcache: Optional[torch.Tensor] = None,
                            topk_length: Optional[torch.Tensor] = None,
                            extra_topk_length: Optional[torch.Tensor] = None, *,
-                           backend: Optional[str] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                           backend: Optional[str] = None, descale_q: Optional[torch.Tensor] = None,
+                           descale_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """MLA decoding attention over a paged KV cache.
 
     Args:
-        q: (batch_size, seqlen_q, num_heads_q, 576) bf16 or fp16, last dimension contiguous.
-        k_cache: (num_blocks, 64, num_heads_k, 576), dtype of q; V is k_cache[..., :head_dim_v].
+        q: (batch_size, seqlen_q, num_heads_q, 576) bf16 or fp16, last dimension contiguous; with an fp8 cache
+            also float8_e4m3fn (then with descale_q).
+        k_cache: (num_blocks, 64, num_heads_k, 576), dtype of q, or float8_e4m3fn with is_fp8_kvcache=True and
+            descale_k; V is k_cache[..., :head_dim_v].
         block_table: (batch_size, max_blocks_per_seq) int32, physical block of each 64-token page; entries past
             a sequence's pages are never read (may be -1).
         cache_seqlens: (batch_size,) int32, tokens in each cache; 0 gives out 0 and lse -inf.
@@ -198,18 +207,25 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
             the schedule from get_mla_metadata() and None (upstream's current form, planned by the first call).
         softmax_scale: default 576 ** -0.5.
         causal: query token i of a sequence of length L sees keys [0, L - seqlen_q + i]; otherwise all L keys.
-        is_fp8_kvcache, indices, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length:
-            upstream's FP8 and sparse-attention arguments; only their defaults (False, None) are supported, other
-            values raise NotImplementedError.
+        is_fp8_kvcache: True for a float8_e4m3fn k_cache (FP8 KV cache, with descale_k), False (default) for a
+            bf16 / fp16 one; a flag that disagrees with k_cache's dtype raises TypeError naming k_cache.
+        indices, extra_k_cache, extra_indices_in_kvcache, topk_length, extra_topk_length: upstream's
+            sparse-attention arguments; only their default (None) is supported, other values raise
+            NotImplementedError.
         attn_sink: optional (num_heads_q,) float32 on q's device, one attention-sink logit per query head: each
             row's out is scaled by 1 / (1 + exp(attn_sink[head] - lse)); lse is returned unchanged. Rows that see
             no key keep out 0 (lse -inf); a sink of +inf gives out 0, -inf leaves out as without a sink.
         backend: keyword only; force "cuda", "triton" or "cpu" (default: environment variable FLASH_MLA_BACKEND,
             else automatic). "triton" runs CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 was set
-            before triton was imported.
+            before triton was imported. FP8 calls never run on "cuda" (no CUDA fp8 kernel yet): automatic choice
+            takes "triton" on a GPU, and forcing "cuda" raises RuntimeError.
+        descale_q, descale_k: keyword only; the FP8 scales, float32 tensors of shape (1,) on q's device with
+            true value = stored value * descale: descale_k is required with an fp8 k_cache, descale_q with an fp8
+            q, and both must be None otherwise (TypeError). flash_mla.quantize_kv_cache_fp8 / quantize_q_fp8
+            make them.
 
     Returns:
-        out: (batch_size, seqlen_q, num_heads_q, head_dim_v), dtype of q.
+        out: (batch_size, seqlen_q, num_heads_q, head_dim_v), dtype of q (bf16 for an fp8 q).
         softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, natural log of the softmax denominator
             (-inf for rows that see no key; upstream's current release returns +inf there).
 
@@ -217,24 +233,66 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
     (lengths, block-table entries, metadata, finite q), which does synchronise; see docs/HARDENING.md.
     """
     fn = "flash_mla_with_kvcache"
-    if is_fp8_kvcache:
-        _not_implemented(fn, "is_fp8_kvcache", "an FP8 KV cache", "False", is_fp8_kvcache)
     for arg, value in (("indices", indices), ("extra_k_cache", extra_k_cache),
                        ("extra_indices_in_kvcache", extra_indices_in_kvcache), ("topk_length", topk_length),
                        ("extra_topk_length", extra_topk_length)):
         if value is not None:
             _not_implemented(fn, arg, "sparse attention", "None", type(value).__name__)
+    return _decode(fn, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+                   softmax_scale, causal, attn_sink, backend, descale_q, descale_k, bool(is_fp8_kvcache))
+
+
+def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor,
+                               cache_seqlens: torch.Tensor, head_dim_v: int, tile_scheduler_metadata,
+                               num_splits: Optional[torch.Tensor] = None, softmax_scale: Optional[float] = None,
+                               causal: bool = False, descale_q: Optional[torch.Tensor] = None,
+                               descale_k: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """MLA decoding attention over a paged FP8 KV cache (the call vLLM makes).
+
+    The same as ``flash_mla_with_kvcache(..., is_fp8_kvcache=True, descale_q=descale_q, descale_k=descale_k)``:
+
+    Args:
+        q: (batch_size, seqlen_q, num_heads_q, 576) float8_e4m3fn with descale_q, or bf16 / fp16 (unscaled, and
+            descale_q None).
+        k_cache: (num_blocks, 64, num_heads_k, 576) float8_e4m3fn, 576 bytes per token and KV head (latent and
+            RoPE columns alike); V is k_cache[..., :head_dim_v].
+        block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits, softmax_scale, causal: as for
+            flash_mla_with_kvcache (classic plan, or the schedule from get_mla_metadata() and None).
+        descale_q, descale_k: float32 tensors of shape (1,) on q's device; true value = stored value * descale.
+            descale_k is required; descale_q is required for an fp8 q and must be None otherwise.
+
+    Returns:
+        out: (batch_size, seqlen_q, num_heads_q, head_dim_v), bf16 (fp16 for an fp16 q).
+        softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, of the true (descaled) scores; -inf for rows
+            that see no key, whose out is 0.
+
+    Every rule of flash_mla_with_kvcache holds (empty sequences, causal masking, determinism, independence of
+    the split layout, no host synchronisation, errors raised before any kernel runs). The backend is chosen
+    automatically (on a GPU: "triton", as there is no CUDA fp8 kernel yet) or by FLASH_MLA_BACKEND.
+    """
+    return _decode("flash_mla_with_kvcache_fp8", q, k_cache, block_table, cache_seqlens, head_dim_v,
+                   tile_scheduler_metadata, num_splits, softmax_scale, causal, None, None, descale_q, descale_k,
+                   True)
+
+
+def _decode(fn: str, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
+            softmax_scale, causal, attn_sink, backend, descale_q, descale_k,
+            is_fp8_kvcache: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Both public decode functions: plan a lazy schedule, validate (messages name `fn`), run."""
     if isinstance(tile_scheduler_metadata, MLASchedule):
         if num_splits is not None:
             raise TypeError(f"{fn}: num_splits: expected None with a schedule from get_mla_metadata(), got "
                             f"{type(num_splits).__name__}")
-        tile_scheduler_metadata, num_splits = _plan(tile_scheduler_metadata, q, k_cache, block_table, cache_seqlens,
-                                                    head_dim_v, softmax_scale, causal, attn_sink)
+        tile_scheduler_metadata, num_splits = _plan(fn, tile_scheduler_metadata, q, k_cache, block_table,
+                                                    cache_seqlens, head_dim_v, softmax_scale, causal, attn_sink,
+                                                    descale_q, descale_k, is_fp8_kvcache)
     if _is_compiling():
         return _ops.decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                       num_splits, softmax_scale, causal, backend, attn_sink)
+                                       num_splits, softmax_scale, causal, backend, attn_sink, descale_q, descale_k,
+                                       is_fp8_kvcache, fn)
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal, attn_sink=attn_sink)
+                                  num_splits, softmax_scale, causal, attn_sink=attn_sink, descale_q=descale_q,
+                                  descale_k=descale_k, is_fp8_kvcache=is_fp8_kvcache, fn=fn)
     softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale, causal, backend, attn_sink)
+                      softmax_scale, causal, backend, attn_sink, descale_q, descale_k)

@@ -3,8 +3,14 @@
     torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
         -> (tile_scheduler_metadata, num_splits)          num_sms = 0: the device's multiprocessor count
     torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                   num_splits, softmax_scale, causal, backend=None, attn_sink=None)
+                                   num_splits, softmax_scale, causal, backend=None, attn_sink=None,
+                                   descale_q=None, descale_k=None)
         -> (out, softmax_lse)
+
+The FP8 KV cache goes through the same decode op: descale_q and descale_k (trailing optional arguments, so the
+schema of earlier releases still binds every call it took) are the (1,) float32 scales of an fp8 q and an fp8
+cache; the op takes the cache's dtype as the fp8 switch (flash_mla_with_kvcache checks its is_fp8_kvcache flag
+against that dtype before calling it).
 
 `flash_mla.get_mla_metadata` and `flash_mla.flash_mla_with_kvcache` call these ops only while torch.compile
 traces them (`torch.compiler.is_compiling()`); in eager mode they call the backend directly, which skips the
@@ -15,7 +21,8 @@ metadata op and stores the traced tensors in it, so the ops never see it.
 The fake (meta) implementations give the output shapes without running anything:
   * metadata: (num_sm_parts, 8) and (b + 1,) int32, num_sm_parts = scheduler.num_sm_parts_for(num_sms, ...),
     which depends only on the SM count and the head counts, never on the lengths;
-  * decode: out (b, s_q, h_q, head_dim_v) in q's dtype and lse (b, h_q, s_q) float32, both contiguous.
+  * decode: out (b, s_q, h_q, head_dim_v) in q's dtype (bf16 for an fp8 q) and lse (b, h_q, s_q) float32, both
+    contiguous.
 Both implementations validate their arguments like the eager API (the fake one without the data-pointer
 alignment check, since fake tensors have no data; the real one checks it again when the graph runs).
 """
@@ -28,6 +35,7 @@ import torch
 from . import _validation
 from ._geometry import DEFAULT_SOFTMAX_SCALE, METADATA_WIDTH
 from .backends import default_num_sms, run_decode, run_metadata
+from .fp8 import decode_out_dtype
 from .scheduler import num_sm_parts_for
 
 AVAILABLE = hasattr(torch.library, "custom_op")   # torch >= 2.4
@@ -62,19 +70,24 @@ if AVAILABLE:
                    # Optional[...]: torch.library evaluates these annotations, also on Python 3.9
                    backend: Optional[str] = None,
                    attn_sink: Optional[torch.Tensor] = None,
+                   descale_q: Optional[torch.Tensor] = None,
+                   descale_k: Optional[torch.Tensor] = None,
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                      num_splits, softmax_scale, causal, attn_sink=attn_sink)
+                                      num_splits, softmax_scale, causal, attn_sink=attn_sink, descale_q=descale_q,
+                                      descale_k=descale_k)
         return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                          softmax_scale, causal, backend, attn_sink)
+                          softmax_scale, causal, backend, attn_sink, descale_q, descale_k)
 
     @mla_decode.register_fake
     def _mla_decode_fake(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                         softmax_scale, causal, backend=None, attn_sink=None):
+                         softmax_scale, causal, backend=None, attn_sink=None, descale_q=None, descale_k=None):
         _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                      num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False)
+                                      num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False,
+                                      descale_q=descale_q, descale_k=descale_k)
         b, s_q, h_q, _ = q.shape
-        return q.new_empty((b, s_q, h_q, head_dim_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+        return (q.new_empty((b, s_q, h_q, head_dim_v), dtype=decode_out_dtype(q.dtype)),
+                q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
 
 def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms):
@@ -88,11 +101,15 @@ def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_s
 
 
 def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                       softmax_scale, causal, backend, attn_sink=None):
-    """flash_mla_with_kvcache while torch.compile traces: validate shapes, dtypes, devices and strides (traced),
-    then call the op (whose real implementation checks pointer alignment and, in debug mode, the values)."""
+                       softmax_scale, causal, backend, attn_sink=None, descale_q=None, descale_k=None,
+                       is_fp8_kvcache=None, fn="flash_mla_with_kvcache"):
+    """flash_mla_with_kvcache (or flash_mla_with_kvcache_fp8, `fn`) while torch.compile traces: validate shapes,
+    dtypes, devices and strides (traced), then call the op (whose real implementation checks pointer alignment and,
+    in debug mode, the values)."""
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
-                                  num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False)
+                                  num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False,
+                                  descale_q=descale_q, descale_k=descale_k, is_fp8_kvcache=is_fp8_kvcache, fn=fn)
     scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                          tile_scheduler_metadata, num_splits, scale, causal, backend, attn_sink)
+                                          tile_scheduler_metadata, num_splits, scale, causal, backend, attn_sink,
+                                          descale_q, descale_k)

@@ -13,6 +13,7 @@ from typing import Callable, Dict, Optional, Sequence
 import torch
 
 from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, PAGE_BLOCK_SIZE
+from .fp8 import FP8_DTYPE, FP8_MAX
 from .reference import mla_decode_reference
 
 
@@ -62,6 +63,62 @@ def make_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv:
     return DecodeBatch(q=q, k_cache=k_cache, block_table=block_table.to(device),
                        cache_seqlens=torch.tensor([int(L) for L in seqlens], dtype=torch.int32, device=device),
                        causal=causal)
+
+
+@dataclass
+class Fp8DecodeBatch:
+    """A decoding batch over an FP8 KV cache, as the kernels take it (stored values and their scales)."""
+    q: torch.Tensor                      # (b, s_q, h_q, 576): float8_e4m3fn (stored values), or bf16 / fp16
+    k_cache: torch.Tensor                # (num_blocks, 64, h_kv, 576) float8_e4m3fn (stored values)
+    block_table: torch.Tensor
+    cache_seqlens: torch.Tensor
+    causal: bool
+    descale_q: Optional[torch.Tensor]    # (1,) float32 for an fp8 q, else None
+    descale_k: torch.Tensor              # (1,) float32
+
+    def dequantized(self) -> DecodeBatch:
+        """The true values, float32: stored * descale (what the float32 reference is computed on)."""
+        q = self.q.float() if self.descale_q is None else self.q.float() * self.descale_q
+        return DecodeBatch(q=q, k_cache=self.k_cache.float() * self.descale_k, block_table=self.block_table,
+                           cache_seqlens=self.cache_seqlens, causal=self.causal)
+
+    def args(self):
+        """(q, k_cache, block_table, cache_seqlens): the first four arguments of the decode calls."""
+        return self.q, self.k_cache, self.block_table, self.cache_seqlens
+
+
+# fp8 codes written into every cache slot past a sequence's length: NaN (0x7F, 0xFF) and +-448 (0x7E, 0xFE)
+FP8_GARBAGE_CODES = (0x7F, 0xFF, 0x7E, 0xFE)
+
+
+def make_fp8_decode_batch(seqlens: Sequence[int], s_q: int = 1, h_q: int = 16, h_kv: int = 1,
+                          q_dtype: torch.dtype = FP8_DTYPE, descale_q: float = 1.0, descale_k: float = 1.0,
+                          device="cpu", causal: bool = False, generator: Optional[torch.Generator] = None,
+                          **kwargs) -> Fp8DecodeBatch:
+    """An FP8 batch with the layout of make_decode_batch (pages shuffled, -1 past each sequence's pages).
+
+    True values are N(0, 1) whatever the scales; stored = clamp(true / descale, -448, 448) rounded to
+    float8_e4m3fn, so the descales choose which fp8 codes the data uses (a large descale: small and subnormal
+    codes; a small one: large codes, the tail saturating at 448), while the attention scores keep their usual
+    spread. q_dtype bf16 / fp16: q is unscaled (descale_q is ignored and None). Every cache slot past a sequence's
+    length, and every unused block, holds NaN or +-448 codes (FP8_GARBAGE_CODES in turn): the kernels must never
+    read them."""
+    device = torch.device(device)
+    base = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, h_kv=h_kv, dtype=torch.float32, device=device,
+                             causal=causal, generator=generator, nan_past_end=True, **kwargs)
+    dk = torch.tensor([descale_k], dtype=torch.float32, device=device)
+    garbage = torch.isnan(base.k_cache)
+    k_cache = (base.k_cache / dk).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    codes = torch.tensor(FP8_GARBAGE_CODES, dtype=torch.uint8, device=device)
+    n = int(garbage.sum())
+    k_cache.view(torch.uint8)[garbage] = codes[torch.arange(n, device=device) % len(codes)]
+    if q_dtype == FP8_DTYPE:
+        dq = torch.tensor([descale_q], dtype=torch.float32, device=device)
+        q = (base.q / dq).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    else:
+        dq, q = None, base.q.to(q_dtype)
+    return Fp8DecodeBatch(q=q, k_cache=k_cache, block_table=base.block_table, cache_seqlens=base.cache_seqlens,
+                          causal=causal, descale_q=dq, descale_k=dk)
 
 
 def make_attn_sink(h_q: int, generator: Optional[torch.Generator] = None, device="cpu") -> torch.Tensor:

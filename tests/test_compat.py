@@ -4,7 +4,8 @@
 2. upstream's current form: get_mla_metadata() -> (schedule, None); the first flash_mla_with_kvcache(...,
    schedule, None) plans and stores the plan, later calls reuse it; a call with another batch shape raises;
 3. the keyword arguments engines pass: num_heads_q, is_fp8_kvcache, topk, indices, attn_sink (and upstream's
-   sparse-attention extras): defaults work, unsupported values raise NotImplementedError naming the argument.
+   sparse-attention extras): defaults work, unsupported values raise NotImplementedError naming the argument
+   (is_fp8_kvcache=True is supported: tests/test_fp8.py).
 
 On the CPU: all three forms against each other bit for bit, the schedule's life cycle and errors, debug mode,
 torch.compile of the lazy form. On a GPU (skipped without one): the lazy form captured in a CUDA graph (planning
@@ -236,7 +237,6 @@ def test_metadata_argument_names():
 
 
 @pytest.mark.parametrize("kwargs,arg", [
-    (dict(is_fp8_kvcache=True), "is_fp8_kvcache"),
     (dict(topk=2048), "topk"),
 ])
 @pytest.mark.parametrize("form", ["classic", "lazy"])
@@ -247,7 +247,6 @@ def test_unsupported_metadata_keywords(kwargs, arg, form):
 
 
 @pytest.mark.parametrize("arg,value", [
-    ("is_fp8_kvcache", True),
     ("indices", torch.zeros(4, 2, 16, 64, dtype=torch.int32)),
     ("extra_k_cache", torch.zeros(1, 64, 1, 656, dtype=torch.uint8)),
     ("extra_indices_in_kvcache", torch.zeros(4, 2, 16, 64, dtype=torch.int32)),

@@ -194,7 +194,8 @@ def test_compile_forced_backend_and_num_sms():
 def test_compile_reports_bad_input_with_the_eager_message():
     batch = batch_for([5, 70])
     bad = (batch.q.float(), batch.k_cache, batch.block_table, batch.cache_seqlens)
-    expected = "flash_mla_with_kvcache: q: expected dtype torch.bfloat16 or torch.float16, got torch.float32"
+    expected = ("flash_mla_with_kvcache: q: expected dtype torch.bfloat16 or torch.float16 or torch.float8_e4m3fn, "
+                "got torch.float32")
     # fullgraph: Dynamo reports the exception it traced, message included
     with pytest.raises(Exception, match=re.escape(expected)):
         torch.compile(decode_step, backend="aot_eager", fullgraph=True)(*bad)
