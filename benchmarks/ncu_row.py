@@ -17,12 +17,13 @@ import shutil
 import subprocess
 import sys
 
+# Per label: the ncu metric and how a value is shown: a factor, or relative to the cache the call must read.
+PER_CACHE_BYTE, PER_CACHE_SECTOR = "per cache byte", "per cache sector"
 METRICS = {
     "duration (us)": ("gpu__time_duration.sum", 1e-3),
-    "DRAM bytes read / cache bytes": ("dram__bytes_read.sum", None),
-    "L2 sectors read by the SMs / cache sectors": ("lts__t_sectors_srcunit_tex_op_read.sum", None),
+    "DRAM bytes read / cache bytes": ("dram__bytes_read.sum", PER_CACHE_BYTE),
+    "L2 sectors read by the SMs / cache sectors": ("lts__t_sectors_srcunit_tex_op_read.sum", PER_CACHE_SECTOR),
     "instructions executed (M)": ("smsp__inst_executed.sum", 1e-6),
-    "WGMMA instructions (M)": ("smsp__inst_executed_op_gmma.sum", 1e-6),
     "IPC (active)": ("sm__inst_executed.avg.per_cycle_active", 1.0),
     "SM throughput (%)": ("sm__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
     "stall gmma / issued": ("smsp__average_warps_issue_stalled_gmma_per_issue_active.ratio", 1.0),
@@ -32,7 +33,6 @@ METRICS = {
                                        1.0),
     "grid size (CTAs)": ("launch__grid_size", 1.0),
 }
-OPTIONAL_METRIC = "smsp__inst_executed_op_gmma.sum"
 
 
 def child(args):
@@ -48,29 +48,20 @@ def child(args):
         plan = impl.plan(q, ks[0], bt, seqlens, True)
         impl.decode(q, ks[0], bt, seqlens, plan, True)
         torch.cuda.synchronize()
-        torch.cuda.nvtx.range_push(name)
         torch.cuda.profiler.start()
         impl.decode(q, ks[0], bt, seqlens, plan, True)
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
-        torch.cuda.nvtx.range_pop()
-    print("cache bytes", sum(lens) * 576 * 2)
 
 
 def parent(args):
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu_row: ncu is not on PATH")
-    def run_ncu(metrics):
-        cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", ",".join(metrics),
-               "--csv", "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
-        return subprocess.run(cmd, capture_output=True, text=True)
-
-    wanted = [m for m, _ in METRICS.values()]
-    res = run_ncu(wanted)
-    if res.returncode != 0 and OPTIONAL_METRIC in res.stdout + res.stderr:
-        # an ncu build that does not know the WGMMA instruction counter: the rest still says a lot
-        res = run_ncu([m for m in wanted if m != OPTIONAL_METRIC])
+    metrics = ",".join(m for m, _ in METRICS.values())
+    cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
+           "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
+    res = subprocess.run(cmd, capture_output=True, text=True)
     if args.raw:
         with open(args.raw, "w") as f:
             f.write(res.stdout)
@@ -95,8 +86,10 @@ def parent(args):
             except ValueError:
                 cells.append(raw or "-")
                 continue
-            if scale is None:
-                v /= cache_bytes if "bytes" in label else cache_bytes / 32
+            if scale == PER_CACHE_BYTE:
+                v /= cache_bytes
+            elif scale == PER_CACHE_SECTOR:
+                v /= cache_bytes / 32                    # 32-byte sectors
             else:
                 v *= scale
             cells.append(f"{v:.3g}" if v < 1000 else f"{v:.0f}")
