@@ -53,25 +53,51 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
 
 void check_rows_16_byte_aligned(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.stride(-1) == 1, name, ": expected a contiguous last dimension, got strides ", x.strides());
+  const int64_t vector = 16 / x.element_size();    // elements per 16 bytes
   for (int d = 0; d + 1 < x.dim(); ++d)
-    TORCH_CHECK(x.stride(d) % 8 == 0, name, ": expected strides that are multiples of 8 elements, got ", x.strides());
+    TORCH_CHECK(x.stride(d) % vector == 0, name, ": expected strides that are multiples of ", vector,
+                " elements (16 bytes), got ", x.strides());
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name, ": expected a 16-byte aligned data pointer");
 }
 
 std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
                                    const at::Tensor& seqlens, int64_t head_dim_v, const at::Tensor& metadata,
                                    const at::Tensor& num_splits, double softmax_scale, bool causal,
-                                   const std::optional<at::Tensor>& attn_sink) {
+                                   const std::optional<at::Tensor>& attn_sink,
+                                   const std::optional<at::Tensor>& descale_q,
+                                   const std::optional<at::Tensor>& descale_k) {
   TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
   const auto dev = q.device();
   const auto dtype = q.scalar_type();
-  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf, "q: expected dtype bfloat16 or float16, got ", dtype);
+  // An e4m3 cache (SPEC.md "FP8 KV cache") takes an e4m3 q with descale_q, or a bf16 / fp16 q; both descales are
+  // float32 (1,) on q's device. A 16-bit cache takes q of its own dtype and no descale.
+  const bool fp8_cache = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool fp8_q = dtype == at::kFloat8_e4m3fn;
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || (fp8_q && fp8_cache),
+              "q: expected dtype bfloat16 or float16 (or float8_e4m3fn with a float8_e4m3fn k_cache), got ", dtype);
+  if (fp8_cache) {
+    TORCH_CHECK(descale_k.has_value(), "descale_k: expected a float32 tensor of shape (1,) with a float8_e4m3fn k_cache");
+    TORCH_CHECK(descale_q.has_value() == fp8_q, "descale_q: expected ", fp8_q ? "a float32 tensor of shape (1,) with" : "None with",
+                " a ", dtype, " q");
+  } else {
+    TORCH_CHECK(!descale_q.has_value() && !descale_k.has_value(), "descale_q, descale_k: expected None with a ",
+                k_cache.scalar_type(), " k_cache");
+  }
+  for (const auto* descale : {&descale_q, &descale_k}) {
+    if (!descale->has_value()) continue;
+    const at::Tensor& d = **descale;
+    const char* name = descale == &descale_q ? "descale_q" : "descale_k";
+    TORCH_CHECK(d.device() == dev, name, ": expected a tensor on ", dev, ", got ", d.device());
+    TORCH_CHECK(d.scalar_type() == at::kFloat, name, ": expected dtype float32, got ", d.scalar_type());
+    TORCH_CHECK(d.dim() == 1 && d.size(0) == 1, name, ": expected shape (1,), got ", d.sizes());
+  }
   TORCH_CHECK(q.dim() == 4, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4, "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
   const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2), num_heads_k = k_cache.size(2);
   TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
   TORCH_CHECK(q.size(3) == kHeadDimQK, "q: expected head_dim ", kHeadDimQK, ", got ", q.size(3));
-  CHECK_DEVICE(k_cache, dev); CHECK_DTYPE(k_cache, dtype);
+  CHECK_DEVICE(k_cache, dev);
+  if (!fp8_cache) CHECK_DTYPE(k_cache, dtype);
   TORCH_CHECK(k_cache.size(1) == kPageBlockSize && k_cache.size(3) == kHeadDimQK && k_cache.size(0) >= 1,
               "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
   TORCH_CHECK(num_heads_k >= 1 && num_heads_q % num_heads_k == 0,
@@ -107,7 +133,8 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   const int heads_per_kv = num_heads_q / num_heads_k;
   const int rows_per_kv = seqlen_q * heads_per_kv;
 
-  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options());
+  const auto out_dtype = fp8_q ? at::kBFloat16 : dtype;
+  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options().dtype(out_dtype));
   at::Tensor lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
   // One slot per piece of a split sequence: at most batch + num_sm_parts (SPEC.md "Scheduler").
   const int64_t slots = int64_t(batch) + num_sm_parts;
@@ -121,6 +148,10 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.num_sm_parts = num_sm_parts;
   p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
   p.causal = causal;
+  p.q_format = !fp8_cache ? kQAsMath : fp8_q ? kQFp8 : dtype == at::kBFloat16 ? kQBf16 : kQAsMath;
+  p.out_bf16 = out_dtype == at::kBFloat16;
+  p.descale_q = descale_q.has_value() ? descale_q->data_ptr<float>() : nullptr;
+  p.descale_k = descale_k.has_value() ? descale_k->data_ptr<float>() : nullptr;
   p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
   p.k_cache = k_cache.data_ptr();
   p.k_block_stride = k_cache.stride(0); p.k_token_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
@@ -134,13 +165,18 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
 
   void* stream = at::cuda::getCurrentCUDAStream().stream();
-  if (dtype == at::kBFloat16) {
+  if (fp8_cache) {
+    launch_mla_splitkv_fp8(p, stream);
+  } else if (dtype == at::kBFloat16) {
     launch_mla_splitkv_bf16(p, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    launch_mla_combine_bf16(p, stream);
   } else {
     launch_mla_splitkv_fp16(p, stream);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // The combine kernel reads fp32 partials and writes out's dtype.
+  if (out_dtype == at::kBFloat16) {
+    launch_mla_combine_bf16(p, stream);
+  } else {
     launch_mla_combine_fp16(p, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -158,5 +194,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mla_decode", &flash_mla::mla_decode, "Split-KV MLA decoding + combine", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("block_table"), pybind11::arg("cache_seqlens"),
         pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),
-        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("attn_sink") = pybind11::none());
+        pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("attn_sink") = pybind11::none(),
+        pybind11::arg("descale_q") = pybind11::none(), pybind11::arg("descale_k") = pybind11::none());
 }

@@ -11,10 +11,10 @@ FLASH_MLA_BACKEND environment variable (the keyword wins); forcing one that cann
 "triton" with CPU tensors runs the kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before triton
 was imported (slow; for debugging the kernels on a machine without a GPU).
 
-FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py): the compiled extension has no fp8 kernel yet, so an fp8
-call on a GPU goes to "triton" automatically (which loads the fp8 cache directly; it needs compute capability 8.9+),
-and forcing "cuda" for one raises RuntimeError saying the CUDA fp8 kernel is not built. CPU tensors: "cpu"
-dequantises and computes. This rule lives in one place: `_unavailable_reason(..., fp8=True)` below.
+FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py) follow the same rule: "cuda" runs them on Hopper (its fp8
+kernel widens the pages to fp16 in shared memory), "triton" elsewhere (it loads the fp8 cache directly and needs
+compute capability 8.9+), "cpu" dequantises and computes. `_unavailable_reason(..., fp8=True)` says why a backend
+cannot take them.
 """
 from __future__ import annotations
 
@@ -62,11 +62,6 @@ def triton_interpret_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes", "y")
 
 
-# Why the cuda backend refuses fp8 calls. When the extension gains an fp8 kernel, this is the one place to change.
-CUDA_FP8_UNAVAILABLE = ("the CUDA fp8 kernel is not built (the compiled extension runs bf16/fp16 caches only); "
-                        "fp8 calls run on the triton backend, which automatic selection picks for them")
-
-
 def _unavailable_reason(backend: str, device: torch.device, fp8: bool = False) -> Optional[str]:
     """Why `backend` cannot run on tensors of `device`, or None if it can. `fp8`: the call has an fp8 KV cache."""
     if backend == "cpu":
@@ -80,8 +75,6 @@ def _unavailable_reason(backend: str, device: torch.device, fp8: bool = False) -
     elif device.type != "cuda":
         return f"the {backend} backend needs CUDA tensors, q is on {device}"
     if backend == "cuda":
-        if fp8:
-            return CUDA_FP8_UNAVAILABLE
         ext, why = _import("flash_mla._cuda")
         if ext is None:
             note = _build_note()
@@ -167,10 +160,10 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
     fp8 = k_cache.dtype == FP8_DTYPE
     name = select_backend(q.device, backend, fp8)
     if name == "cuda":
-        # attn_sink only when given: an extension built before it existed still runs every call without one
-        sink = () if attn_sink is None else (attn_sink,)
+        # optional tensors only when given: an extension built before them still runs every call without them
+        extra = (attn_sink, descale_q, descale_k) if fp8 else () if attn_sink is None else (attn_sink,)
         return cuda_extension().mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
-                                           tile_scheduler_metadata, num_splits, softmax_scale, causal, *sink)
+                                           tile_scheduler_metadata, num_splits, softmax_scale, causal, *extra)
     if name == "triton":
         from .triton_backend import mla_decode_triton
         return mla_decode_triton(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,

@@ -58,10 +58,6 @@ EXPECTED_ON_GPU_HOST = {
     "CPU-only interpreter test (needs triton; when triton was imported before TRITON_INTERPRET was set, "
     "test_subprocess_runs_interpreter_tests runs it)",
     "the interpreter tests run in this process (or need triton)",
-    # flash_mla/backends.py CUDA_FP8_UNAVAILABLE: the extension has no fp8 kernel (by design, for now), so a test of
-    # fp8 caches on every backend skips the cuda backend even here
-    "the CUDA fp8 kernel is not built (the compiled extension runs bf16/fp16 caches only); fp8 calls run on the "
-    "triton backend, which automatic selection picks for them",
 }
 
 # The vocabulary of the GPU stack, as whole words ("torch.cuda.is_available()" and "nvidia-cutlass" match: dots

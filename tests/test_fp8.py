@@ -6,15 +6,17 @@ smaller one (ragged lengths 0/1/63/64/65/127/128/129/..., s_q 1-8, h_q 16-128, h
 unsplit sequences, descales 1, 0.01 and 37); NaN and +-448 codes in every cache slot past a sequence's end;
 outputs allocated NaN-poisoned (conftest's nan_empty); determinism and independence of the split layout; the three
 call forms agreeing bit for bit; attn_sink; the quantisation helpers; every bad-input rule; backend routing;
-the torch.library op and torch.compile. On a GPU (skipped without one): the triton path against the reference,
-automatic routing of fp8 calls to triton and the refusal of a forced "cuda", CUDA-graph capture and replay with new
-inputs and scales written in place, torch.compile.
+the torch.library op and torch.compile. On a GPU (skipped without one): the cuda (Hopper) and triton paths against
+the reference over the GPU matrix (NaN / +-448 codes past every sequence's end, split and unsplit sequences,
+attn_sink), automatic routing (cuda on Hopper, else triton), CUDA-graph capture and replay with new inputs and
+scales written in place, torch.compile.
 
 Tolerance (out: relative L2 < TOLERANCE[out dtype], 1e-2 for bf16, 2e-3 for fp16; lse: relative L2 < 1e-2 and
 max |error| < 1e-3). The reference is computed in float32 on the dequantised values, so quantisation error is not
 part of the comparison. What remains:
   * S = Q K^T: e4m3 products are exact in float32 (4 x 4 significant bits), fp8 -> bf16 / fp16 widening is exact,
-    and the descales are applied in float32. The cpu backend and the interpreter accumulate in float32 (lse off by
+    and the descales are applied in float32. The cuda kernel widens an fp8 cache and q to fp16 and accumulates
+    S in float32 on the tensor cores (a bf16 q is rounded to fp16 first: relative 2^-11, below bf16's own 2^-8). The cpu backend and the interpreter accumulate in float32 (lse off by
     ~1e-6); the GPU's fp8 tensor-core dot moves its partial sums into float32 every 32 products (triton_backend's
     FP8_ACC_CHUNK): measured lse error <= 1.2e-4 on the H100 (|lse| ~10), against the 1e-3 bound (without the
     float32 steps it reached 2.6e-3 and this test failed).
@@ -426,14 +428,11 @@ def test_debug_mode_checks_the_descales(monkeypatch):
 # backend routing
 # ---------------------------------------------------------------------------------------------------------------
 
-def test_forced_cuda_refuses_fp8_in_one_place():
-    """The cuda backend has no fp8 kernel: forcing it for an fp8 call says so (checked before any CUDA call, so
-    this runs without a GPU too); automatic choice then skips it."""
-    reason = _unavailable_reason("cuda", torch.device("cuda"), fp8=True)
-    assert reason is not None and "CUDA fp8 kernel is not built" in reason and "triton" in reason
-    with pytest.raises(RuntimeError, match=r"'cuda' was requested but is unavailable: the CUDA fp8 kernel is not "
-                                           r"built"):
-        select_backend(torch.device("cuda"), "cuda", fp8=True)
+def test_fp8_routes_like_half_precision():
+    """The cuda backend runs fp8 caches wherever it runs bf16 ones (its fp8 kernel is part of the extension): the
+    reason it cannot, if any, is the same for both (checked before any CUDA call, so this runs without a GPU too)."""
+    cuda = torch.device("cuda")
+    assert _unavailable_reason("cuda", cuda, fp8=True) == _unavailable_reason("cuda", cuda, fp8=False)
     assert select_backend(torch.device("cpu"), None, fp8=True) == "cpu"
 
 
@@ -718,16 +717,65 @@ def test_gpu_triton_matches_reference(q_dtype, descales, causal, s_q, h_q, h_kv)
     assert torch.equal(forced[0], out) and torch.equal(forced[1], lse)              # automatic = triton
 
 
+def cuda_fp8_or_skip():
+    reason = _unavailable_reason("cuda", torch.device("cuda"), fp8=True)
+    if reason is not None:
+        pytest.skip(reason)
+
+
 @pytest.mark.gpu
 @needs_cuda
-def test_gpu_forced_cuda_backend_refuses_fp8(monkeypatch):
-    batch = gpu_batch(4, 1, 16, 1, FP8, (1.0, 1.0), False, seed=210)
-    with pytest.raises(RuntimeError, match=r"CUDA fp8 kernel is not built"):
-        run(batch, num_sms=None, backend="cuda")
-    monkeypatch.setenv(ENV_VAR, "cuda")
+@pytest.mark.parametrize("q_dtype,descales", [(FP8, (0.01, 37.0)), (FP8, (1.0, 1.0)), (FP8, (37.0, 0.01)),
+                                              (BF16, (None, 0.01)), (FP16, (None, 37.0))],
+                         ids=["fp8-q", "fp8-q-unit", "fp8-q-inverse", "bf16-q", "fp16-q"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("s_q,h_q,h_kv", [(1, 16, 1), (2, 64, 1), (1, 128, 1), (2, 128, 1), (4, 32, 2), (8, 16, 1),
+                                          (3, 64, 2)])
+def test_gpu_cuda_matches_reference(q_dtype, descales, causal, s_q, h_q, h_kv):
+    """The Hopper kernel: ragged lengths with splits (4097 keys over 132 SMs), NaN / +-448 codes past every end."""
+    cuda_fp8_or_skip()
+    batch = gpu_batch(64 if h_q <= 32 else 24, s_q, h_q, h_kv, q_dtype, descales, causal, seed=300 + s_q + h_q)
+    out, lse = run(batch, num_sms=None, backend="cuda")
+    check(batch, out, lse, f"cuda {q_dtype} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal}",
+          ref=gpu_reference(batch))
+    auto = run(batch, num_sms=None)             # automatic choice: cuda on Hopper
+    assert torch.equal(auto[0], out) and torch.equal(auto[1], lse)
+    again = run(batch, num_sms=None, backend="cuda")
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)      # deterministic
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+def test_gpu_cuda_ragged_lengths_and_sink(num_sms):
+    """Every length around the page edges, few and many SM parts (unsplit and split), with an attention sink."""
+    cuda_fp8_or_skip()
+    lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049]
+    batch = make(lengths, 2, 32, 1, FP8, (0.01, 37.0), True, seed=310 + num_sms, device="cuda")
+    sink = torch.randn(32, device="cuda") * 2
+    out, lse = run(batch, num_sms=num_sms, backend="cuda", attn_sink=sink)
+    check(batch, out, lse, f"cuda ragged num_sms={num_sms}", attn_sink=sink,
+          ref=reference_for(batch.dequantized(), None, attn_sink=sink, on_device=True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_cuda_rejects_bad_input_before_the_kernel():
+    """The binding's own checks (direct callers of the extension) mirror the Python validation."""
+    cuda_fp8_or_skip()
+    from flash_mla.backends import cuda_extension
+    batch = gpu_batch(4, 1, 16, 1, FP8, (1.0, 1.0), False, seed=320)
     md, ns = plan(batch)
-    with pytest.raises(RuntimeError, match=r"CUDA fp8 kernel is not built"):
-        flash_mla_with_kvcache_fp8(*batch.args(), 512, md, ns, descale_q=batch.descale_q, descale_k=batch.descale_k)
+    args = (batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns, 576 ** -0.5, False, None)
+    ext = cuda_extension()
+    with pytest.raises(RuntimeError, match="descale_k"):
+        ext.mla_decode(*args, batch.descale_q, None)
+    with pytest.raises(RuntimeError, match="descale_q"):
+        ext.mla_decode(*args, batch.descale_q.view(1, 1), batch.descale_k)
+    with pytest.raises(RuntimeError, match="descale_k"):
+        ext.mla_decode(*args, batch.descale_q, batch.descale_k.double())
+    with pytest.raises(RuntimeError, match="q: expected dtype"):
+        ext.mla_decode(batch.q, batch.k_cache.view(torch.uint8), *args[2:], batch.descale_q, batch.descale_k)
 
 
 @pytest.mark.gpu

@@ -52,10 +52,6 @@ REASONS = {
     "CPU-only interpreter test (needs triton; when triton was imported before TRITON_INTERPRET was set, "
     "test_subprocess_runs_interpreter_tests runs it)": EXPECTED,
     "the interpreter tests run in this process (or need triton)": EXPECTED,
-    # flash_mla/backends.py CUDA_FP8_UNAVAILABLE: the extension has no fp8 kernel (by design, for now), so a test of
-    # fp8 caches on every backend skips cuda even on a Hopper host with the extension
-    "the CUDA fp8 kernel is not built (the compiled extension runs bf16/fp16 caches only); fp8 calls run on the "
-    "triton backend, which automatic selection picks for them": EXPECTED,
     # a lack of the GPU stack: on the GPU runner, a test that should have run did not
     "needs a CUDA GPU": MISSING,
     "needs a CUDA GPU (torch.cuda.is_available() is False)": MISSING,

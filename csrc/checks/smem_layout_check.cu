@@ -4,16 +4,18 @@
 //  3. Each 16-byte chunk (8 elements) stays contiguous under the swizzle.
 //  4. Value i of a thread's S accumulator (64 x 64) is the same (row, key) as value i of its P operand for
 //     O += P V (RS WGMMA, 4 K blocks of 16): P is S converted element by element, no shuffle.
+//  5. Traits::swizzled_chunk_offset, where the FP8 widening stores a chunk, is where SmemLayoutK has it.
+// For the bf16, fp16 and FP8-cache (fp16 math) traits.
 #include <cstdio>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
 #include "splitkv_traits.h"
 
-template <class Element>
+template <class Element, class CacheElement = Element>
 int check() {
   using namespace cute;
-  using T = flash_mla::SplitKvTraits<Element>;
+  using T = flash_mla::SplitKvTraits<Element, CacheElement>;
   // Byte address (from a 1024-byte aligned base) of element (i, j): the swizzle acts on byte addresses.
   auto address = [](auto layout, int i, int j) { return int(layout.layout_a()(int(sizeof(Element)) * int(layout.layout_b()(i, j)))); };
   auto k = [&](int i, int j) { return address(typename T::SmemLayoutK{}, i, j) / int(sizeof(Element)); };
@@ -34,6 +36,14 @@ int check() {
           for (int e = 1; e < 8; ++e)
             if (k(r + 16 * h, c + 64 * s + e) != expect + e && errors++ < 10) printf("chunk not contiguous\n");
         }
+  // 5.
+  for (int r = 0; r < T::kBlockN; ++r)
+    for (int c = 0; c < flash_mla::kHeadDimQK / 8; ++c) {
+      const int seg = c / 8, bytes = T::swizzled_chunk_offset(seg, r, c % 8);
+      if (bytes != k(r, 8 * c) * int(sizeof(Element)) && errors++ < 10)
+        printf("swizzled_chunk_offset(%d, %d, %d) = %d, SmemLayoutK has %d\n", seg, r, c % 8, bytes,
+               k(r, 8 * c) * int(sizeof(Element)));
+    }
   // (thread, value) -> column-major index in the (64 x 64) S tile / the (64 x 16) A tile of one K block.
   auto s_tv = typename T::TiledMmaS{}.get_layoutC_TV();
   auto p_tv = typename T::TiledMmaO{}.get_layoutA_TV();
@@ -45,12 +55,13 @@ int check() {
       if (s_idx != p_idx && errors++ < 10) printf("S value %d of thread %d is (%d,%d), P's is (%d,%d)\n", i, t,
                                                   s_idx % 64, s_idx / 64, p_idx % 64, p_idx / 64);
     }
-  printf("%s: %d errors; smem bytes %d\n", sizeof(Element) == 2 ? "16-bit" : "?", errors, T::kSmemBytes);
+  printf("%s: %d errors; smem bytes %d\n", T::kFp8Cache ? "fp8 cache" : "16-bit", errors, T::kSmemBytes);
   return errors;
 }
 
 int main() {
-  const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>();
+  const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>() +
+                     check<cutlass::half_t, cutlass::float_e4m3_t>();
   printf(errors ? "FAILED\n" : "OK\n");
   return errors ? 1 : 0;
 }

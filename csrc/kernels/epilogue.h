@@ -1,4 +1,4 @@
-// Epilogue of the split-KV kernel: normalises a warpgroup's half of O and writes it.
+// Epilogue of the split-KV kernel: normalises a warpgroup's half of O (and multiplies in descale_k) and writes it.
 //   unsplit sequence: out (bf16/fp16) and lse, with the attention sink applied;
 //   piece of a split sequence: fp32 partial O and lse to the piece's workspace slot (the combine kernel
 //   applies the sink once it knows the final lse).
@@ -23,8 +23,8 @@ struct SplitKvEpilogue {
   // and this thread's part of the row sums (quad-reduced here); O is the (ROW, COL) accumulator view and
   // tOcO its (row, col) coordinates within the warpgroup's 64 x 256 half.
   template <class TensorO, class TensorC>
-  __device__ static void write(const DecodeParams& p, const Piece& piece, int kv_head, int m_tile, int warpgroup,
-                               const RowStats& stats, TensorO& O, const TensorC& tOcO) {
+  __device__ static void write(const DecodeParams& p, const SplitKvScales& scales, const Piece& piece, int kv_head,
+                               int m_tile, int warpgroup, const RowStats& stats, TensorO& O, const TensorC& tOcO) {
     using namespace cute;
     const bool quad_leader = threadIdx.x % 4 == 0;
     CUTE_UNROLL
@@ -33,9 +33,9 @@ struct SplitKvEpilogue {
       // false only when the row saw no key of this piece (total exactly 0); a NaN total (NaN in q or in a
       // visible key) stays NaN in out and lse, split or not.
       const bool seen = !(total == 0.f);
-      const float lse = seen ? (stats.max[r] * p.scale_log2 + log2f(total)) * kLn2 : -INFINITY;
+      const float lse = seen ? (stats.max[r] * scales.score_log2 + log2f(total)) * kLn2 : -INFINITY;
       const int row = m_tile * Traits::kBlockM + get<0>(tOcO(r, 0));
-      float inv = seen ? 1.f / total : 0.f;
+      float inv = seen ? scales.out / total : 0.f;
       if (!piece.split && seen) inv *= sink_factor(p, row, kv_head, lse);
       CUTE_UNROLL
       for (int c = 0; c < size<1>(O); ++c) O(r, c) *= inv;
@@ -75,12 +75,21 @@ struct SplitKvEpilogue {
     const int col0 = warpgroup * kColsPerWarpgroup;
     if (!piece.split) {
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
-      Element* dst = static_cast<Element*>(p.out) +
-                     ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV + col0;
-      for_each_pair([&](int col, float x0, float x1) {
-        struct alignas(4) Pair { Element v[2]; };
-        *reinterpret_cast<Pair*>(dst + col) = Pair{{static_cast<Element>(x0), static_cast<Element>(x1)}};
-      });
+      const int64_t offset = ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV + col0;
+      auto store_out = [&](auto type_tag) {
+        using Out = decltype(type_tag);
+        Out* dst = static_cast<Out*>(p.out) + offset;
+        for_each_pair([&](int col, float x0, float x1) {
+          struct alignas(4) Pair { Out v[2]; };
+          *reinterpret_cast<Pair*>(dst + col) = Pair{{static_cast<Out>(x0), static_cast<Out>(x1)}};
+        });
+      };
+      // The FP8-cache kernel computes in fp16 and writes bf16 (an e4m3 or bf16 q) or fp16 (an fp16 q).
+      if (Traits::kFp8Cache && p.out_bf16) {
+        store_out(cutlass::bfloat16_t{});
+      } else {
+        store_out(Element{});
+      }
       if (warpgroup == 0 && quad_leader) p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
     } else {
       const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;

@@ -1,9 +1,12 @@
 // Host side of the split kernel's TMA page copies: the tensor map (CUtensorMap) of the paged KV cache.
 //
 // The cache (num_blocks, 64, num_heads_k, 576) is described as a 4-D tensor, innermost first:
-//   (576 columns, 64 tokens, num_heads_k, num_blocks)     strides in bytes: (2, token, head, block)
-// and copied in 64 x 64 boxes (one 64-column segment of one page of one KV head: 8 KiB) with the 128-byte
-// swizzle, which is exactly the K-major SW128 layout WGMMA reads (SplitKvTraits::SmemLayoutK, one segment).
+//   (576 columns, 64 tokens, num_heads_k, num_blocks)     strides in bytes: (element size, token, head, block)
+// and copied in boxes of 128-byte rows x 64 tokens (one copy unit of one page of one KV head: 8 KiB):
+//   16-bit cache: 64 columns with the 128-byte swizzle, exactly the K-major SW128 layout WGMMA reads
+//                 (SplitKvTraits::SmemLayoutK, one segment);
+//   e4m3 cache:   128 columns without swizzle, rows of bytes for the kernel to widen (mainloop.h); the box at
+//                 column 512 reaches past the 576 columns and TMA fills that part with zeros without reading.
 // A box never crosses a page, so the block table is applied per copy: coordinate 3 is the physical block.
 #pragma once
 
@@ -35,25 +38,30 @@ inline TensorMapEncoder tensor_map_encoder() {
   return encode;
 }
 
-// Fills params.k_cache_tma for a cache of 16-bit elements (`dtype`: bf16 or fp16). An empty cache gets no map:
-// no page of it is ever copied.
-inline void encode_kv_cache_tma(DecodeParams& params, CUtensorMapDataType dtype) {
+enum class CacheDtype { kBf16, kFp16, kE4m3 };
+
+// Fills params.k_cache_tma for a cache of `dtype`. An empty cache gets no map: no page of it is ever copied.
+inline void encode_kv_cache_tma(DecodeParams& params, CacheDtype dtype) {
   static_assert(sizeof(CUtensorMap) == sizeof(params.k_cache_tma), "DecodeParams.k_cache_tma holds a CUtensorMap");
   std::memset(params.k_cache_tma, 0, sizeof(params.k_cache_tma));
   if (params.num_kv_blocks == 0) return;
-  constexpr cuuint64_t kElementBytes = 2;
-  constexpr cuuint32_t kSegmentCols = 128 / kElementBytes;    // one 128-byte swizzle row
+  const bool fp8 = dtype == CacheDtype::kE4m3;
+  const cuuint64_t element_bytes = fp8 ? 1 : 2;
+  const cuuint32_t box_cols = 128 / element_bytes;    // one 128-byte row per token
+  const CUtensorMapDataType tma_dtype = fp8 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                        : dtype == CacheDtype::kFp16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+                                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
   const cuuint64_t dims[4] = {cuuint64_t(kHeadDimQK), cuuint64_t(kPageBlockSize), cuuint64_t(params.num_heads_k),
                               cuuint64_t(params.num_kv_blocks)};
   // Byte strides of dims 1..3 (the binding checks they are multiples of 16 bytes, as TMA requires).
-  const cuuint64_t strides[3] = {cuuint64_t(params.k_token_stride) * kElementBytes,
-                                 cuuint64_t(params.k_head_stride) * kElementBytes,
-                                 cuuint64_t(params.k_block_stride) * kElementBytes};
-  const cuuint32_t box[4] = {kSegmentCols, cuuint32_t(kPageBlockSize), 1, 1};
+  const cuuint64_t strides[3] = {cuuint64_t(params.k_token_stride) * element_bytes,
+                                 cuuint64_t(params.k_head_stride) * element_bytes,
+                                 cuuint64_t(params.k_block_stride) * element_bytes};
+  const cuuint32_t box[4] = {box_cols, cuuint32_t(kPageBlockSize), 1, 1};
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult res = tensor_map_encoder()(
-      reinterpret_cast<CUtensorMap*>(params.k_cache_tma), dtype, 4, const_cast<void*>(params.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      reinterpret_cast<CUtensorMap*>(params.k_cache_tma), tma_dtype, 4, const_cast<void*>(params.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for k_cache (CUresult " +
                              std::to_string(int(res)) + "); strides must be multiples of 16 bytes");

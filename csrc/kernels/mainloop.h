@@ -29,14 +29,22 @@
 // bar.arrive / bar.sync pairs are as correct by the PTX memory model and faster, but racecheck cannot follow
 // them (docs/HARDENING.md).
 //
-// Copies: each 64-column segment of a page (8 KiB) is one TMA copy (kv_cache_tma.h) issued by one thread and
-// tracked by its own transaction mbarrier. Page k of a piece lives in buffer k % 2; the warpgroup whose work
-// reads a segment last refills it with the next page for that buffer (possibly the next piece's) as soon as it
-// is done with it (listed in splitkv_traits.h): the RoPE segment right after S, each V half after its last
-// P V. S takes its K blocks in the order the segments are refilled (RoPE first), so it starts before the page
-// has landed. Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and
+// Copies: each copy unit of a page (8 KiB: a 64-column segment of a 16-bit cache, 128 columns of an fp8 one)
+// is one TMA copy (kv_cache_tma.h) issued by one thread and tracked by its own transaction mbarrier. Page k of a
+// piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
+// buffer (possibly the next piece's) as soon as it is done with it (listed in splitkv_traits.h): the RoPE unit
+// right after S, each V half after its last P V. S takes its K blocks in the order the units are refilled (RoPE
+// first), so it starts before the page has landed. Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and
 // each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
+//
+// FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
+// into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row. The warpgroup that computes
+// S on the page widens each unit just before its WGMMAs (widen_unit: e4m3 -> fp16 is exact), so S, the softmax
+// and P V run exactly as for an fp16 cache; the other warpgroup reads the widened V half after the mailbox
+// hand-off, which orders the writes (each writer fences them into the async proxy first). The Q tile is widened
+// the same way once it has landed (widen_q). descale_q * descale_k scale the scores and descale_k the output
+// (SplitKvScales): each scale enters once.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -56,7 +64,7 @@ namespace flash_mla {
 
 // Phase bits of the mbarriers, tracked identically by both warpgroups.
 struct PipelinePhases {
-  uint32_t page[2] = {0, 0};    // segment_full[stage][*]: flips each time a page of that buffer is consumed
+  uint32_t page[2] = {0, 0};    // unit_full[stage][*]: flips each time a page of that buffer is consumed
   uint32_t q = 0;               // q_full: flips each time a piece with pages is done
   uint32_t mailbox = 0;         // probs_posted[*]: flips each pair (both warpgroups post once per pair)
 };
@@ -73,8 +81,10 @@ struct SplitKvMainloop {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kSegments = Traits::kSegments;
   static constexpr int kSegmentCols = Traits::kSegmentCols;
-  static constexpr int kRope = Traits::kRopeSegment;
   static constexpr int kVHalf = Traits::kSegmentsPerVHalf;
+  static constexpr int kUnits = Traits::kUnits;
+  static constexpr int kRopeUnit = Traits::kRopeUnit;
+  static constexpr int kVHalfUnits = Traits::kUnitsPerVHalf;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
   static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
@@ -111,19 +121,69 @@ struct SplitKvMainloop {
     return &sX(r, c) + row_iter * kCopyRowStep * kSegmentCols + seg * kBlockN * kSegmentCols;
   }
 
-  // Segments [first_seg, first_seg + num_segs) of the page in cache block `block` into buffer `stage`: one
-  // thread of the warpgroup arms each segment's barrier with the segment's bytes and issues its TMA copy
-  // (L2 policy: page_cache_hint). Nothing to do when no page is left for the buffer.
+  // Copy units [first_unit, first_unit + num_units) of the page in cache block `block` into buffer `stage`: one
+  // thread of the warpgroup arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy:
+  // page_cache_hint). Nothing to do when no page is left for the buffer.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
-                                int first_seg, int num_segs) {
+                                int first_unit, int num_units) {
     if (!block.valid || threadIdx.x % kWgThreads != 0) return;
-    for (int s = 0; s < num_segs; ++s) {
-      const int seg = first_seg + s;
-      uint64_t* full = &smem.segment_full[stage][seg];
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, kSegmentBytes);
+    for (int u = 0; u < num_units; ++u) {
+      const int unit = first_unit + u;
+      uint64_t* full = &smem.unit_full[stage][unit];
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kUnitBytes);
       cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p, block),
-                                   smem.k[stage].data() + seg * kSegmentElems, seg * kSegmentCols, 0, kv_head,
-                                   block.block);
+                                   smem.k[stage].data() + Traits::first_segment(unit) * kSegmentElems,
+                                   unit * Traits::kUnitCols, 0, kv_head, block.block);
+    }
+  }
+
+  // ================================ FP8 cache: widening in shared memory =====================================
+
+  // Widens unit `unit` of `tile` (a page buffer or the Q tile) in place: its e4m3 rows (128 bytes each at the
+  // start of the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 * passes).
+  // Lane group t / 8 of the warpgroup owns a row and lane t % 8 its 16-byte chunk i (columns 16 i .. 16 i + 15 of
+  // the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4. A row's writes overwrite only
+  // that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is
+  // involved. Lanes 4..7 store their second chunk first, so that a row's eight first stores hit eight different
+  // bank groups. The caller fences the writes into the async proxy and synchronises the readers.
+  __device__ static void widen_unit(Element* tile, int unit, int first_row, int passes) {
+    static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
+    const int t = threadIdx.x % kWgThreads, i = t % 8;
+    const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
+    char* base = reinterpret_cast<char*>(tile) + Traits::first_segment(unit) * int(kSegmentBytes);
+    const int seg = Traits::first_segment(unit) + i / 4;
+    const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
+    for (int pass = 0; pass < passes; ++pass) {
+      const int row = first_row + t / 8 + 16 * pass;
+      const uint4 bytes = *reinterpret_cast<const uint4*>(base + row * 128 + i * 16);
+      __syncwarp();
+      if (valid) {
+        uint4 lo, hi;
+        widen_e4m3x16(bytes, lo, hi);
+        char* tile_bytes = reinterpret_cast<char*>(tile);
+        *reinterpret_cast<uint4*>(tile_bytes + Traits::swizzled_chunk_offset(seg, row, 2 * (i % 4) + first)) = first ? hi : lo;
+        *reinterpret_cast<uint4*>(tile_bytes + Traits::swizzled_chunk_offset(seg, row, 2 * (i % 4) + 1 - first)) =
+            first ? lo : hi;
+      }
+    }
+  }
+
+  // The Q tile after q_full: an e4m3 q widens like a page (each warpgroup takes 32 rows), a bf16 q is rounded to
+  // fp16 chunk by chunk (each thread rewrites the chunks it read); then both warpgroups wait for each other.
+  // Every row's bytes are in place (rows past rows_per_kv are zeros). Nothing to do for an fp16 q.
+  __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
+    if constexpr (Traits::kFp8Cache) {
+      if (p.q_format == kQAsMath) return;
+      if (p.q_format == kQFp8) {
+        CUTE_UNROLL
+        for (int unit = 0; unit < kUnits; ++unit) widen_unit(smem.q.data(), unit, 32 * warpgroup, 2);
+      } else {
+        constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
+        uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
+        for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
+      }
+      cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+      cutlass::arch::NamedBarrier::sync(Traits::kThreads, static_cast<uint32_t>(CtaBarrier::kQWidened));
     }
   }
 
@@ -147,8 +207,12 @@ struct SplitKvMainloop {
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
-  // Issued by one warpgroup; arrives on q_full.
+  // Issued by one warpgroup; arrives on q_full. An e4m3 q is copied as bytes in the units of an fp8 page (widen_q
+  // widens it), a bf16 q for fp16 math as it is (widen_q rounds it).
   __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
+    if constexpr (Traits::kFp8Cache) {
+      if (p.q_format == kQFp8) return load_q_bytes(p, smem, seq, kv_head, m_tile);
+    }
     const int wg_thread = threadIdx.x % kWgThreads;
     const Element* q = static_cast<const Element*>(p.q);
     CUTE_UNROLL
@@ -167,28 +231,59 @@ struct SplitKvMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
   }
 
-  __device__ static void wait_segments(SharedStorage& smem, int stage, uint32_t phase, int first_seg, int num_segs) {
-    for (int s = 0; s < num_segs; ++s) Barrier::wait(&smem.segment_full[stage][first_seg + s], phase);
+  // An e4m3 Q tile: 16-byte chunk i of unit j of row r goes to byte 128 r + 16 i of the unit (widen_unit's
+  // input); thread t copies chunk t % 8 of rows t / 8 + 16 i of every unit (the RoPE unit has 4 chunks).
+  __device__ static void load_q_bytes(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
+    const int wg_thread = threadIdx.x % kWgThreads, chunk = wg_thread % 8;
+    const uint8_t* q = static_cast<const uint8_t*>(p.q);
+    char* tile = reinterpret_cast<char*>(smem.q.data());
+    CUTE_UNROLL
+    for (int i = 0; i < kCopyRowIters; ++i) {
+      const int tile_row = wg_thread / 8 + i * kCopyRowStep;
+      const int row = m_tile * Traits::kBlockM + tile_row;
+      const bool valid = row < p.rows_per_kv;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      const uint8_t* src = valid ? q + seq * p.q_batch_stride + token * p.q_token_stride + head * p.q_head_stride
+                                 : q;
+      CUTE_UNROLL
+      for (int unit = 0; unit < kUnits; ++unit) {
+        if (chunk * 16 < kHeadDimQK - unit * Traits::kUnitCols) {
+          cp_async_16_zfill(tile + Traits::first_segment(unit) * kSegmentBytes + tile_row * 128 + chunk * 16,
+                            src + unit * Traits::kUnitCols + chunk * 16, valid);
+        }
+      }
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
+  }
+
+  __device__ static void wait_units(SharedStorage& smem, int stage, uint32_t phase, int first_unit, int num_units) {
+    for (int u = 0; u < num_units; ++u) Barrier::wait(&smem.unit_full[stage][first_unit + u], phase);
   }
 
   // ============================================ WGMMA =======================================================
 
-  // S = Q K^T over the page in buffer `stage`, K blocks in segment-refill order (RoPE first), each segment
-  // waited for just before its WGMMAs are issued. Waited for before return.
+  // S = Q K^T over the page in buffer `stage`, K blocks in unit-refill order (RoPE first), each unit waited for
+  // (and, for an fp8 cache, widened by this warpgroup) just before its WGMMAs are issued; the widening of a unit
+  // overlaps the WGMMAs of the one before. Waited for before return.
   template <class FragQ, class FragK, class FragS>
-  __device__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, const FragQ& tSrQ,
+  __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup, const FragQ& tSrQ,
                                    const FragK& tSrK, FragS& tSrS) {
     using namespace cute;
     typename Traits::TiledMmaS mma;
     warpgroup_fence_operand(tSrS);
     CUTE_UNROLL
-    for (int i = 0; i < kSegments; ++i) {
-      const int seg = (i + kRope) % kSegments;
-      Barrier::wait(&smem.segment_full[stage][seg], phase);
+    for (int i = 0; i < kUnits; ++i) {
+      const int unit = (i + kRopeUnit) % kUnits;
+      Barrier::wait(&smem.unit_full[stage][unit], phase);
+      if constexpr (Traits::kFp8Cache) {
+        widen_unit(smem.k[stage].data(), unit, 0, kBlockN / 16);
+        cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+        warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+      }
       warpgroup_arrive();
       CUTE_UNROLL
-      for (int kk = 0; kk < Traits::kKBlocksPerSegment; ++kk) {
-        const int k = seg * Traits::kKBlocksPerSegment + kk;
+      for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
+        const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
         mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
         gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
       }
@@ -251,8 +346,9 @@ struct SplitKvMainloop {
 
   // Both warpgroups run this with their own role; the mailbox hand-offs keep them one pair apart at most.
   template <WarpgroupRole kRole>
-  __device__ static void attend_piece(const DecodeParams& p, SharedStorage& smem, const PieceRange& range,
-                                      const Piece& piece, int kv_head, int m_tile, PipelinePhases& phases) {
+  __device__ __forceinline__ static void attend_piece(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
+                                      const PieceRange& range, const Piece& piece, int kv_head, int m_tile,
+                                      PipelinePhases& phases) {
     using namespace cute;
     constexpr int kWarpgroup = static_cast<int>(kRole);
     const int wg_thread = threadIdx.x % kWgThreads;
@@ -293,8 +389,9 @@ struct SplitKvMainloop {
     }
 
     const int num_pages = piece.num_pages();
-    const float scale_log2 = p.scale_log2;
+    const float scale_log2 = scales.score_log2;
     Barrier::wait(&smem.q_full, phases.q);
+    widen_q(p, smem, kWarpgroup);
 
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
@@ -307,8 +404,8 @@ struct SplitKvMainloop {
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
-        compute_s(smem, 0, phases.page[0], tSrQ, tSrK, tSrS);
-        refill(p, smem, 0, next_a, kv_head, kRope, 1);
+        compute_s(smem, 0, phases.page[0], kWarpgroup, tSrQ, tSrK, tSrS);
+        refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
@@ -342,16 +439,16 @@ struct SplitKvMainloop {
             wait_pv(tOrO);
             scale_rows(O, scale);
           }
-          wait_segments(smem, 1, phases.page[1], 0, kVHalf);
+          wait_units(smem, 1, phases.page[1], 0, kVHalfUnits);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
           wait_pv(tOrO);
-          refill(p, smem, 1, next_b, kv_head, 0, kVHalf);
+          refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
         } else {
           wait_pv(tOrO);
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalf);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
         }
         stats.max[0] = m_b[0];
         stats.max[1] = m_b[1];
@@ -363,8 +460,8 @@ struct SplitKvMainloop {
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
         if (has_b) {
-          compute_s(smem, 1, phases.page[1], tSrQ, tSrK, tSrS);
-          refill(p, smem, 1, next_b, kv_head, kRope, 1);
+          compute_s(smem, 1, phases.page[1], kWarpgroup, tSrQ, tSrK, tSrS);
+          refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1);
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
         }
 
@@ -404,19 +501,19 @@ struct SplitKvMainloop {
         scale_rows(O, scale_ab);
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
-        wait_segments(smem, 0, phases.page[0], kVHalf, kVHalf);
+        wait_units(smem, 0, phases.page[0], kVHalfUnits, kVHalfUnits);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
-          refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           wait_pv(tOrO);
-          refill(p, smem, 1, next_b, kv_head, kVHalf, kVHalf);
+          refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
         } else {
           wait_pv(tOrO);
-          refill(p, smem, 0, next_a, kv_head, kVHalf, kVHalf);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
         }
       }
       phases.page[0] ^= 1;
@@ -425,16 +522,16 @@ struct SplitKvMainloop {
     }
     phases.q ^= 1;
 
-    Epilogue::write(p, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
+    Epilogue::write(p, scales, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
   }
 
   // ============================================ CTA ==========================================================
 
-  // The first Q tile (kPageB, cp.async) and every segment of both page buffers, issued by one thread of kPageA:
-  // page a's nine segments (RoPE first, the order S takes them) before any of page b's, so that page a can land
+  // The first Q tile (kPageB, cp.async) and every unit of both page buffers, issued by one thread of kPageA:
+  // page a's units (RoPE first, the order S takes them) before any of page b's, so that page a can land
   // first and S_a, its softmax and P_a V_a run while page b is still arriving (alone, within noise on the H100;
   // measured together with the split kernel's PDL, docs/PERF.md "Split kernel"). Later refills are the
-  // segment owners' (the mbarriers are per segment; who issues a copy does not matter to them).
+  // unit owners' (the mbarriers are per unit; who issues a copy does not matter to them).
   template <WarpgroupRole kRole>
   __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
                                   int m_tile) {
@@ -446,14 +543,14 @@ struct SplitKvMainloop {
     CUTE_UNROLL
     for (int stage = 0; stage < 2; ++stage) {
       const PageBlock block = range.first_block(stage);
-      refill(p, smem, stage, block, kv_head, kRope, 1);
-      refill(p, smem, stage, block, kv_head, 0, kRope);
+      refill(p, smem, stage, block, kv_head, kRopeUnit, 1);
+      refill(p, smem, stage, block, kv_head, 0, kRopeUnit);
     }
   }
 
   template <WarpgroupRole kRole>
-  __device__ static void run(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
-                             int m_tile) {
+  __device__ __forceinline__ static void run(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
+                             const PieceRange& range, int kv_head, int m_tile) {
     prologue<kRole>(p, smem, range, kv_head, m_tile);
     PipelinePhases phases;
     for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
@@ -462,7 +559,7 @@ struct SplitKvMainloop {
         Epilogue::write_empty(p, piece, kv_head, m_tile, static_cast<int>(kRole));
         continue;
       }
-      attend_piece<kRole>(p, smem, range, piece, kv_head, m_tile, phases);
+      attend_piece<kRole>(p, scales, smem, range, piece, kv_head, m_tile, phases);
     }
   }
 };

@@ -26,6 +26,10 @@ struct MetadataParams {
   int num_sm_parts;
 };
 
+// How q is stored relative to the kernel's 16-bit math type. Only the FP8-cache kernel (fp16 math) sees anything
+// but kQAsMath: it widens an e4m3 q (exactly) or rounds a bf16 q to fp16 in shared memory (mainloop.h).
+enum QFormat : int { kQAsMath = 0, kQFp8 = 1, kQBf16 = 2 };
+
 struct DecodeParams {
   // Shapes.
   int batch, seqlen_q, num_heads_q, num_heads_k;
@@ -35,6 +39,8 @@ struct DecodeParams {
   int num_sm_parts;
   float scale_log2;              // softmax_scale * log2(e): scores go straight into exp2
   bool causal;
+  int q_format;                  // QFormat
+  bool out_bf16;                 // FP8-cache kernel: out is bf16 (else fp16); the 16-bit kernels write their type
 
   // Inputs (element strides; the last dimension is contiguous).
   const void* q;                 // (batch, seqlen_q, num_heads_q, 576)
@@ -47,6 +53,11 @@ struct DecodeParams {
   const int32_t* seqlens;        // (batch,)
   const int32_t* metadata;       // (num_sm_parts, 8)
   const int32_t* num_splits;     // (batch + 1,)
+  // FP8 descales, float32 (1,) each, or nullptr (1): true value = stored value * descale. Read on the device
+  // (a CUDA graph replays with new values); the split kernel folds descale_q * descale_k into the score scale and
+  // descale_k into its normalisation of O (SplitKvScales).
+  const float* descale_q;
+  const float* descale_k;
 
   // Outputs (contiguous).
   void* out;                     // (batch, seqlen_q, num_heads_q, 512)
@@ -71,6 +82,7 @@ struct DecodeParams {
 void launch_mla_metadata(const MetadataParams& params, void* stream);
 void launch_mla_splitkv_bf16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp16(const DecodeParams& params, void* stream);
+void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream);     // e4m3 cache; q e4m3, bf16 or fp16
 void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
 void launch_mla_combine_fp16(const DecodeParams& params, void* stream);
 

@@ -14,6 +14,13 @@ namespace flash_mla {
 // A thread of an SM90 accumulator owns two rows (r and r + 8 of its warp's 16).
 constexpr int kRowsPerThread = 2;
 
+// The scales of one launch, read on the device at the kernel's start (the descales may change between CUDA graph
+// replays): scores enter exp2 as S * score_log2, and the normalised O is multiplied by `out`.
+struct SplitKvScales {
+  float score_log2;    // softmax_scale * log2(e) * descale_q * descale_k
+  float out;           // descale_k (V is the cache's first 512 columns)
+};
+
 struct RowStats {
   float max[kRowsPerThread];    // running maximum of raw scores
   float sum[kRowsPerThread];    // running softmax denominator, relative to exp2(max * scale_log2)

@@ -32,8 +32,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
 
   if (threadIdx.x == 0) {
     for (int stage = 0; stage < Traits::kStages; ++stage) {
-      for (int seg = 0; seg < Traits::kSegments; ++seg) {
-        cutlass::arch::ClusterBarrier::init(&smem.segment_full[stage][seg], 1);    // TMA: one arrive + bytes
+      for (int unit = 0; unit < Traits::kUnits; ++unit) {
+        cutlass::arch::ClusterBarrier::init(&smem.unit_full[stage][unit], 1);    // TMA: one arrive + bytes
       }
     }
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
@@ -51,24 +51,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   // num_splits, which the kernel before this one may have written.
   cutlass::arch::launch_dependent_grids();
 
+  // The descales are inputs too (maybe written by the kernel before this one): read after the wait.
+  const float descale_k = params.descale_k != nullptr ? *params.descale_k : 1.f;
+  const float descale_q = params.descale_q != nullptr ? *params.descale_q : 1.f;
+  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, descale_k};
+
   const int m_tile = blockIdx.x, kv_head = blockIdx.y;
   const PieceRange range(params, blockIdx.z);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();
 
   if (threadIdx.x / Traits::kWarpgroupThreads == static_cast<int>(WarpgroupRole::kPageA)) {
-    Mainloop::template run<WarpgroupRole::kPageA>(params, smem, range, kv_head, m_tile);
+    Mainloop::template run<WarpgroupRole::kPageA>(params, scales, smem, range, kv_head, m_tile);
   } else {
-    Mainloop::template run<WarpgroupRole::kPageB>(params, smem, range, kv_head, m_tile);
+    Mainloop::template run<WarpgroupRole::kPageB>(params, scales, smem, range, kv_head, m_tile);
   }
 }
 
-template <class Element>
+template <class Element, class CacheElement = Element>
 void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
-  using Traits = SplitKvTraits<Element>;
+  using Traits = SplitKvTraits<Element, CacheElement>;
   DecodeParams params = binding_params;
-  encode_kv_cache_tma(params, std::is_same_v<Element, cutlass::half_t> ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16
-                                                                       : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16);
+  encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
+                              : std::is_same_v<Element, cutlass::half_t> ? CacheDtype::kFp16
+                                                                           : CacheDtype::kBf16);
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled

@@ -5,6 +5,10 @@
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 
+#include <type_traits>
+
+#include <cutlass/numeric_types.h>
+
 #include "params.h"
 
 namespace flash_mla {
@@ -21,9 +25,16 @@ enum MailboxEvent : int {
   kPageBPosted = 1,    // P_b, m_b and l from kPageB (and its S_b is complete; it has read kPageA's slots)
 };
 
-template <class Element_>
+// Element: the WGMMA operand type of Q, K, V and P (bf16 or fp16). CacheElement: the KV cache's element, the same
+// type, or e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
+// warpgroup that computes S on them; see mainloop.h "FP8 cache").
+template <class Element_, class CacheElement_ = Element_>
 struct SplitKvTraits {
   using Element = Element_;
+  using CacheElement = CacheElement_;
+  static constexpr bool kFp8Cache = sizeof(CacheElement) == 1;
+  static_assert(sizeof(Element) == 2 && (!kFp8Cache || std::is_same_v<Element, cutlass::half_t>),
+                "16-bit math; an e4m3 cache widens to fp16, which holds every e4m3 value exactly");
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
   static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
   static constexpr int kNumWarpgroups = 2;
@@ -42,6 +53,25 @@ struct SplitKvTraits {
   static_assert(kHeadDimQK % kSegmentCols == 0 && kHeadDimV % kSegmentCols == 0, "whole segments");
   static_assert(kRopeSegment * kSegmentCols == kHeadDimV, "the last segment is exactly the RoPE part");
   static_assert(kColsPerWarpgroup <= 256, "WGMMA N is at most 256");
+
+  // A page is copied (TMA) and waited for in units of 128-byte rows: one unit is 64 columns of a 16-bit cache
+  // (exactly one segment) or 128 columns of an fp8 cache (two segments once widened). An fp8 page has 4.5 units:
+  // the RoPE unit's box starts at column 512 and its columns 576..639 lie past the cache row, which TMA fills
+  // with zeros without reading memory. Every unit lands in the shared memory of its first segment, 8 KiB.
+  static constexpr int kUnitCols = 128 / sizeof(CacheElement);                         // 64 or 128
+  static constexpr int kSegmentsPerUnit = kUnitCols / kSegmentCols;                    // 1 or 2
+  static constexpr int kUnits = (kHeadDimQK + kUnitCols - 1) / kUnitCols;              // 9 or 5
+  static constexpr int kRopeUnit = kUnits - 1;                                         // columns 512..
+  static constexpr int kUnitsPerVHalf = kColsPerWarpgroup / kUnitCols;                 // 4 or 2
+  static constexpr uint32_t kUnitBytes = kBlockN * 128;                                // 8 KiB
+  static_assert(kRopeUnit * kUnitCols == kHeadDimV && kRopeUnit * kSegmentsPerUnit == kRopeSegment,
+                "the last unit is exactly the RoPE part, in the RoPE segment's shared memory");
+  static_assert(kUnitBytes == kBlockN * kSegmentCols * sizeof(Element), "a unit fills one segment's bytes");
+  // Segments [first_segment(u), + unit_segments(u)) of the page come from unit u.
+  static constexpr int first_segment(int unit) { return unit * kSegmentsPerUnit; }
+  static constexpr int unit_segments(int unit) {
+    return kSegments - first_segment(unit) < kSegmentsPerUnit ? kSegments - first_segment(unit) : kSegmentsPerUnit;
+  }
 
   // Which warpgroup refills a segment of a buffer (mainloop.h): the one whose work reads it last.
   //   V columns [0, 256)   (segments 0-3): read last by kPageA's P V of both pages;
@@ -73,6 +103,13 @@ struct SplitKvTraits {
       Element, Element, float, cute::Shape<BlockM, ColsPerWg, BlockN>,
       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
+  // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` of segment `seg` in a Q/K tile: the 128-byte
+  // swizzle permutes the chunks of a row by the row's index within its 8-row atom (smem_layout_check.cu checks
+  // this against SmemLayoutK). The FP8 widening writes through it.
+  CUTE_HOST_DEVICE static constexpr int swizzled_chunk_offset(int seg, int row, int chunk) {
+    return seg * kBlockN * 128 + row * 128 + (chunk ^ (row % 8)) * 16;
+  }
+
   // Per-thread register fragments exchanged through the shared-memory mailbox (see mainloop.h).
   static constexpr int kProbsPerThread = kBlockM * kBlockN / kWarpgroupThreads;          // 32 of P
   static constexpr int kProbVectors = kProbsPerThread * int(sizeof(Element)) / 16;        // 4 x 16 bytes
@@ -87,9 +124,9 @@ struct SplitKvTraits {
     // only ever reads and then writes its own slots, so one mailbox serves both directions.
     alignas(16) uint4 probs[kProbVectors][kWarpgroupThreads];
     alignas(16) float4 stats[kWarpgroupThreads];     // (max row 0, max row 1, sum row 0, sum row 1)
-    // Completion of each 64-column segment of each page buffer (TMA transaction bytes) and of the Q tile
-    // (cp.async arrivals of the 128 threads that copy it).
-    alignas(8) uint64_t segment_full[kStages][kSegments];
+    // Completion of each copy unit of each page buffer (TMA transaction bytes) and of the Q tile (cp.async
+    // arrivals of the 128 threads that copy it).
+    alignas(8) uint64_t unit_full[kStages][kUnits];
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];

@@ -1,6 +1,9 @@
 // Small device helpers: 16-byte cp.async with zero fill, quad reductions, accumulator row/column views.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <cute/tensor.hpp>
 
 namespace flash_mla {
@@ -12,6 +15,38 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
+}
+
+// 16 e4m3 values (bytes 0..15) -> 16 fp16 values, 0..7 in `lo` and 8..15 in `hi`. Exact: every e4m3 value
+// (subnormals, +-448, NaN) is an fp16 value.
+__device__ __forceinline__ void widen_e4m3x16(const uint4& in, uint4& lo, uint4& hi) {
+  const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+  uint32_t out[8];
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    const __half2_raw pair0 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[w] & 0xffff), __NV_E4M3);
+    const __half2_raw pair1 = __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(words[w] >> 16), __NV_E4M3);
+    out[2 * w] = uint32_t(pair0.x) | (uint32_t(pair0.y) << 16);
+    out[2 * w + 1] = uint32_t(pair1.x) | (uint32_t(pair1.y) << 16);
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+// 8 bf16 -> 8 fp16, rounded to nearest. Finite values beyond fp16's range saturate to +-65504 (a q that large
+// would overflow any softmax anyway); inf and NaN stay inf and NaN.
+__device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 in) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(&in);
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[w]));
+    constexpr float kHalfMax = 65504.f;
+    if (fabsf(x.x) > kHalfMax && fabsf(x.x) != INFINITY) x.x = copysignf(kHalfMax, x.x);
+    if (fabsf(x.y) > kHalfMax && fabsf(x.y) != INFINITY) x.y = copysignf(kHalfMax, x.y);
+    const __half2 h = __float22half2_rn(x);
+    words[w] = *reinterpret_cast<const uint32_t*>(&h);
+  }
+  return in;
 }
 
 // The four lanes of a quad hold the columns of the same accumulator rows.

@@ -1,0 +1,8 @@
+// FP8-cache instantiation of the split-KV kernel: e4m3 pages widened to fp16 in shared memory (mainloop.h).
+#include "splitkv_kernel.h"
+
+namespace flash_mla {
+void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream) {
+  launch_splitkv<cutlass::half_t, cutlass::float_e4m3_t>(params, static_cast<cudaStream_t>(stream));
+}
+}  // namespace flash_mla
