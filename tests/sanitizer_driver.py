@@ -11,7 +11,8 @@ every tensor is then its own cudaMalloc, and any read past a tensor is outside a
 `small`: b = 2, L ~ 200, h_q in {16, 128}, s_q in {1, 2}: cheap enough for racecheck.
 Both end with b = 1 cut into 43-64 pieces (the combine's CTA items at each of their widths).
 Both include cases with an attention sink (attn_sink), applied in the split kernel's epilogue for whole sequences
-and in the combine kernel for cut ones.
+and in the combine kernel for cut ones, and FP8 caches (e4m3 and bf16 q; NaN / +-448 codes past every sequence's
+end) for the fp8 kernel and its widening warpgroup.
 
 Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool).
 Prints one line per case and "DRIVER OK" at the end; exit status 1 on a wrong result, 2 without a GPU.
@@ -31,24 +32,35 @@ GARBAGE = (-1, 2 ** 31 - 1, -(2 ** 31), 77777)
 
 
 def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, num_sms=None, seed=0,
-             dtype=torch.bfloat16, sink=False):
+             dtype=torch.bfloat16, sink=False, fp8_q=None):
+    """fp8_q: None for a `dtype` cache, else the q dtype (float8_e4m3fn or bf16) of an FP8 cache."""
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata
-    from flash_mla.testing import assert_close, compare, make_attn_sink, make_decode_batch, reference_for
+    from flash_mla.testing import (assert_close, compare, make_attn_sink, make_decode_batch, make_fp8_decode_batch,
+                                   reference_for)
 
-    batch = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, device="cuda", causal=causal,
-                              generator=torch.Generator().manual_seed(seed), shuffle_pages=False,
-                              extra_blocks=0 if any(seqlens) else 1)
+    layout = dict(device="cuda", causal=causal, generator=torch.Generator().manual_seed(seed), shuffle_pages=False,
+                  extra_blocks=0 if any(seqlens) else 1)
+    fp8 = fp8_q is not None
+    if fp8:
+        quantized = make_fp8_decode_batch(seqlens, s_q=s_q, h_q=h_q, q_dtype=fp8_q, descale_q=0.01, descale_k=37.0,
+                                          **layout)
+        batch, descales = quantized, dict(is_fp8_kvcache=True, descale_q=quantized.descale_q,
+                                          descale_k=quantized.descale_k)
+        out_dtype = torch.bfloat16
+    else:
+        batch, descales, out_dtype = make_decode_batch(seqlens, s_q=s_q, h_q=h_q, dtype=dtype, **layout), {}, dtype
     padding = batch.cache_seqlens == 0
     if pad_garbage is not None:
         batch.block_table[padding] = pad_garbage
-        batch.q[padding] = math.nan
+        if not fp8:
+            batch.q[padding] = math.nan
     attn_sink = make_attn_sink(h_q, torch.Generator().manual_seed(seed), device="cuda") if sink else None
     md, ns = get_mla_metadata(batch.cache_seqlens, s_q * h_q, 1, num_sms=num_sms)
     out, lse = flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns,
-                                      causal=causal, attn_sink=attn_sink, backend=backend)
+                                      causal=causal, attn_sink=attn_sink, backend=backend, **descales)
     torch.cuda.synchronize()
-    metrics = compare(out, lse, *reference_for(batch, attn_sink=attn_sink))
-    assert_close(metrics, dtype, name)
+    metrics = compare(out, lse, *reference_for(batch.dequantized() if fp8 else batch, attn_sink=attn_sink))
+    assert_close(metrics, out_dtype, name)
     padding = padding.cpu()
     out, lse = out.cpu(), lse.cpu()
     assert bool((out[padding] == 0).all()) and bool(torch.isneginf(lse[padding]).all()), f"{name}: padding rows"
@@ -80,6 +92,9 @@ def padded_cases(backend):
     yield case(f"{backend} padded + attn_sink s_q=2 h_q=64", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 2, 64,
                pad_garbage=-1, sink=True, seed=13)
     yield case(f"{backend} ragged + attn_sink, 8-SM plan", ragged, 2, 32, num_sms=8, sink=True, seed=14)
+    yield from fp8_cases(backend, ragged)
+    yield case(f"{backend} fp8 padded, 8-SM plan", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 2, 64, pad_garbage=-1,
+               num_sms=8, fp8_q=torch.float8_e4m3fn, seed=15)
     yield from long_cases(backend)
 
 
@@ -91,7 +106,16 @@ def small_cases(backend):
     yield case(f"{backend} small + attn_sink (cut sequences: combine)", [200, 137], 2, 64, sink=True, seed=5)
     yield case(f"{backend} small + attn_sink, 1-SM plan (whole: split epilogue)", [200, 137], 2, 64, num_sms=1,
                sink=True, seed=6)
+    yield from fp8_cases(backend, [200, 137])
     yield from long_cases(backend)
+
+
+def fp8_cases(backend, seqlens):
+    """FP8 caches: e4m3 q (widened) and bf16 q (rounded to fp16), one and several row tiles, cut and whole."""
+    for i, (q_dtype, s_q, h_q, num_sms) in enumerate([(torch.float8_e4m3fn, 1, 16, None), (torch.bfloat16, 2, 64, 1),
+                                                      (torch.float8_e4m3fn, 2, 128, 3)]):
+        name = f"{backend} fp8 cache, {str(q_dtype).split('.')[-1]} q, s_q={s_q} h_q={h_q} num_sms={num_sms}"
+        yield case(name, seqlens, s_q, h_q, num_sms=num_sms, fp8_q=q_dtype, seed=30 + i)
 
 
 def long_cases(backend):
