@@ -12,7 +12,7 @@ every tensor is then its own cudaMalloc, and any read past a tensor is outside a
 Both end with b = 1 cut into 43-64 pieces (the combine's CTA items at each of their widths).
 Both include cases with an attention sink (attn_sink), applied in the split kernel's epilogue for whole sequences
 and in the combine kernel for cut ones, and FP8 caches (e4m3 and bf16 q; NaN / +-448 codes past every sequence's
-end) for the fp8 kernel and its widening warpgroup.
+end) for the fp8 kernel and its in-place widening.
 
 Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool).
 Prints one line per case and "DRIVER OK" at the end; exit status 1 on a wrong result, 2 without a GPU.

@@ -39,12 +39,13 @@
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
-// into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row. A third warpgroup, kWiden,
-// walks the same pages in the same order: it waits for each unit to land (unit_full), widens it in place
-// (widen_unit: e4m3 -> fp16 is exact), fences its writes into the async proxy and arrives on unit_ready, which is
-// what the computing warpgroups wait for instead of unit_full; likewise for each piece's Q tile (q_full ->
-// q_ready; an e4m3 q is widened, a bf16 q rounded to fp16). So S, the softmax and P V run exactly as for an fp16
-// cache, and the widening stays off their path. descale_q * descale_k scale the scores and descale_k the output
+// into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row. The warpgroup that computes
+// S on the page widens each unit just before its WGMMAs (widen_unit: e4m3 -> fp16 is exact), so S, the softmax
+// and P V run exactly as for an fp16 cache; the other warpgroup reads the widened V half after the mailbox
+// hand-off, which orders the writes (each writer fences them into the async proxy first). The Q tile is widened
+// the same way once it has landed (widen_q). The widening also writes zeros for the slots past a piece's end
+// (zero_tail_rows' job for a 16-bit cache), so each page buffer is only ever written by the warpgroup that
+// computes S on it. descale_q * descale_k scale the scores and descale_k the output
 // (SplitKvScales): each scale enters once.
 #pragma once
 
@@ -141,89 +142,57 @@ struct SplitKvMainloop {
   // ================================ FP8 cache: widening in shared memory =====================================
 
   // Widens unit `unit` of `tile` (a page buffer or the Q tile) in place: its e4m3 rows (128 bytes each at the
-  // start of the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 * passes).
-  // Lane group t / 8 of the warpgroup owns a row and lane t % 8 its 16-byte chunk i (columns 16 i .. 16 i + 15 of
-  // the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4. A row's writes overwrite only
-  // that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is
-  // involved. Lanes 4..7 store their second chunk first, so that a row's eight first stores hit eight different
-  // bank groups. The caller fences the writes into the async proxy and synchronises the readers.
-  __device__ static void widen_unit(Element* tile, int unit) {
+  // start of the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
+  // Lane group t / 8 of the warpgroup owns rows first_row + t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
+  // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
+  // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
+  // be NaN in O += P V. All passes are loaded before any is stored (the loads overlap). A row's writes overwrite
+  // only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is
+  // involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
+  // their second chunk first, so that a row's eight first stores hit eight different bank groups. The caller
+  // fences the writes into the async proxy and synchronises the readers.
+  template <int kPasses>
+  __device__ static void widen_unit(Element* tile, int unit, int first_row, int valid_rows) {
     static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
-    constexpr int kPasses = kBlockN / 16, kBatch = 1;               // rows t / 8 + 16 pass (24 registers)
     const int t = threadIdx.x % kWgThreads, i = t % 8;
     const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
     char* tile_bytes = reinterpret_cast<char*>(tile);
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + (t / 8) * 128 + i * 16;
+    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + (first_row + t / 8) * 128 + i * 16;
     const int seg = Traits::first_segment(unit) + i / 4;
-    const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
-    char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, t / 8, 2 * (i % 4) + first);
-    char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, t / 8, 2 * (i % 4) + 1 - first);
+    const int first = (i / 4) & 1;
+    char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, first_row + t / 8, 2 * (i % 4) + first);
+    char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, first_row + t / 8, 2 * (i % 4) + 1 - first);
+    uint4 bytes[kPasses];
     CUTE_UNROLL
-    for (int pass0 = 0; pass0 < kPasses; pass0 += kBatch) {
-      uint4 bytes[kBatch];
+    for (int pass = 0; pass < kPasses; ++pass) bytes[pass] = *reinterpret_cast<const uint4*>(src + pass * 16 * 128);
+    __syncwarp();
+    if (valid) {
       CUTE_UNROLL
-      for (int b = 0; b < kBatch; ++b) bytes[b] = *reinterpret_cast<const uint4*>(src + (pass0 + b) * 16 * 128);
-      __syncwarp();
-      if (valid) {
+      for (int pass = 0; pass < kPasses; ++pass) {
+        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
+        if (first_row + t / 8 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], lo, hi);
+        *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = first ? hi : lo;
+        *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = first ? lo : hi;
+      }
+    }
+  }
+
+  // The Q tile after q_full: an e4m3 q widens like a page (each warpgroup takes 32 rows), a bf16 q is rounded to
+  // fp16 chunk by chunk (each thread rewrites the chunks it read); then both warpgroups wait for each other.
+  // Every row's bytes are in place (rows past rows_per_kv are zeros). Nothing to do for an fp16 q.
+  __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
+    if constexpr (Traits::kFp8Cache) {
+      if (p.q_format == kQAsMath) return;
+      if (p.q_format == kQFp8) {
         CUTE_UNROLL
-        for (int b = 0; b < kBatch; ++b) {
-          uint4 lo, hi;
-          widen_e4m3x16(bytes[b], lo, hi);
-          // 16 rows further on is two whole swizzle atoms: the same chunk permutation.
-          const int row_offset = (pass0 + b) * 16 * 128;
-          *reinterpret_cast<uint4*>(dst_first + row_offset) = first ? hi : lo;
-          *reinterpret_cast<uint4*>(dst_second + row_offset) = first ? lo : hi;
-        }
+        for (int unit = 0; unit < kUnits; ++unit) widen_unit<2>(smem.q.data(), unit, 32 * warpgroup, kBlockN);
+      } else {
+        constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
+        uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
+        for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       }
-    }
-  }
-
-  // The Q tile after q_full (kWiden): an e4m3 q widens like a page, a bf16 q is rounded to fp16 chunk by chunk
-  // (each thread rewrites the chunks it read). Every row's bytes are in place (rows past rows_per_kv are zeros).
-  // Nothing to do for an fp16 q.
-  __device__ static void widen_q_tile(const DecodeParams& p, SharedStorage& smem) {
-    if (p.q_format == kQFp8) {
-      CUTE_UNROLL
-      for (int unit = 0; unit < kUnits; ++unit) widen_unit(smem.q.data(), unit);
-    } else if (p.q_format == kQBf16) {
-      constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
-      uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
-      for (int c = threadIdx.x % kWgThreads; c < kChunks; c += kWgThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
-    }
-  }
-
-  __device__ static void widen_page(SharedStorage& smem, int stage, uint32_t phase) {
-    CUTE_UNROLL
-    for (int i = 0; i < kUnits; ++i) {
-      const int unit = (i + kRopeUnit) % kUnits;
-      Barrier::wait(&smem.unit_full[stage][unit], phase);
-      widen_unit(smem.k[stage].data(), unit);
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-      Barrier::arrive(&smem.unit_ready[stage][unit]);
-    }
-  }
-
-  // kWiden's whole life: the pieces and pages of the CTA in the computing warpgroups' order (page k of a piece in
-  // buffer k % 2, units RoPE first), each widened as soon as it lands. It runs ahead of its readers by up to the
-  // two buffers: a unit lands only after its readers of the page before released it (they issue the refills).
-  __device__ static void widen_all(const DecodeParams& p, SharedStorage& smem, const PieceRange& range) {
-    PipelinePhases phases;
-    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
-      const int num_pages = range.piece(seq).num_pages();
-      if (num_pages == 0) continue;
-      Barrier::wait(&smem.q_full, phases.q);
-      widen_q_tile(p, smem);
-      cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-      Barrier::arrive(&smem.q_ready);
-      phases.q ^= 1;
-      for (int page = 0; page < num_pages; page += 2) {
-        widen_page(smem, 0, phases.page[0]);
-        phases.page[0] ^= 1;
-        if (page + 1 < num_pages) {
-          widen_page(smem, 1, phases.page[1]);
-          phases.page[1] ^= 1;
-        }
-      }
+      cutlass::arch::NamedBarrier::sync(Traits::kThreads, static_cast<uint32_t>(CtaBarrier::kQWidened));
     }
   }
 
@@ -232,7 +201,7 @@ struct SplitKvMainloop {
   // NaN); S masks those keys, but P = 0 times NaN would still be NaN in O += P V. Only a piece's last page
   // can be partial; the segments must have landed and no WGMMA of the other warpgroup may still read them.
   __device__ static void zero_tail_rows(SharedStorage& smem, int stage, int warpgroup, int valid_rows) {
-    if (valid_rows >= kBlockN) return;
+    if (Traits::kFp8Cache || valid_rows >= kBlockN) return;    // an fp8 page's tail is zeroed as it is widened
     constexpr int kChunksPerRow = kSegmentCols * int(sizeof(Element)) / 16;    // a row is 128 bytes
     const int tail_chunks = (kBlockN - valid_rows) * kChunksPerRow;           // per segment
     uint4* buffer = reinterpret_cast<uint4*>(smem.k[stage].data());
@@ -247,8 +216,8 @@ struct SplitKvMainloop {
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
-  // Issued by one warpgroup; arrives on q_full. An e4m3 q is copied as bytes in the units of an fp8 page (widen_q_tile
-  // widens it), a bf16 q for fp16 math as it is (widen_q_tile rounds it).
+  // Issued by one warpgroup; arrives on q_full. An e4m3 q is copied as bytes in the units of an fp8 page (widen_q
+  // widens it), a bf16 q for fp16 math as it is (widen_q rounds it).
   __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
     if constexpr (Traits::kFp8Cache) {
       if (p.q_format == kQFp8) return load_q_bytes(p, smem, seq, kv_head, m_tile);
@@ -296,29 +265,31 @@ struct SplitKvMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
   }
 
-  // The barrier a reader of a unit waits for: the unit has landed (16-bit cache) or has been widened (fp8).
-  __device__ static uint64_t* unit_usable(SharedStorage& smem, int stage, int unit) {
-    return Traits::kFp8Cache ? &smem.unit_ready[stage][unit] : &smem.unit_full[stage][unit];
-  }
-
   __device__ static void wait_units(SharedStorage& smem, int stage, uint32_t phase, int first_unit, int num_units) {
-    for (int u = 0; u < num_units; ++u) Barrier::wait(unit_usable(smem, stage, first_unit + u), phase);
+    for (int u = 0; u < num_units; ++u) Barrier::wait(&smem.unit_full[stage][first_unit + u], phase);
   }
 
   // ============================================ WGMMA =======================================================
 
   // S = Q K^T over the page in buffer `stage`, K blocks in unit-refill order (RoPE first), each unit waited for
-  // (landed, or widened for an fp8 cache) just before its WGMMAs are issued. Waited for before return.
+  // (and, for an fp8 cache, widened by this warpgroup) just before its WGMMAs are issued; the widening of a unit
+  // overlaps the WGMMAs of the one before. Waited for before return.
   template <class FragQ, class FragK, class FragS>
-  __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, const FragQ& tSrQ,
-                                                   const FragK& tSrK, FragS& tSrS) {
+  __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup,
+                                                   int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
+                                                   FragS& tSrS) {
     using namespace cute;
     typename Traits::TiledMmaS mma;
     warpgroup_fence_operand(tSrS);
     CUTE_UNROLL
     for (int i = 0; i < kUnits; ++i) {
       const int unit = (i + kRopeUnit) % kUnits;
-      Barrier::wait(unit_usable(smem, stage, unit), phase);
+      Barrier::wait(&smem.unit_full[stage][unit], phase);
+      if constexpr (Traits::kFp8Cache) {
+        widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
+        cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+        warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+      }
       warpgroup_arrive();
       CUTE_UNROLL
       for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
@@ -429,7 +400,8 @@ struct SplitKvMainloop {
 
     const int num_pages = piece.num_pages();
     const float scale_log2 = scales.score_log2;
-    Barrier::wait(Traits::kFp8Cache ? &smem.q_ready : &smem.q_full, phases.q);
+    Barrier::wait(&smem.q_full, phases.q);
+    widen_q(p, smem, kWarpgroup);
 
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
@@ -442,7 +414,7 @@ struct SplitKvMainloop {
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
-        compute_s(smem, 0, phases.page[0], tSrQ, tSrK, tSrS);
+        compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
         refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
@@ -498,7 +470,7 @@ struct SplitKvMainloop {
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
         if (has_b) {
-          compute_s(smem, 1, phases.page[1], tSrQ, tSrK, tSrS);
+          compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
           refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1);
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
         }

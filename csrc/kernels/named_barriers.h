@@ -10,6 +10,12 @@ namespace flash_mla {
 enum class WarpgroupBarrier : uint32_t {
   kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (ids 2, 3)
   kRescaleVoted = 4,      // every thread of the warpgroup voted on "some row maximum moved" (ids 4, 5)
+  kUnitWidened = 6,       // FP8 cache: the warpgroup widened a page unit for its S (ids 6, 7)
+};
+
+// Barriers of both warpgroups (256 threads).
+enum class CtaBarrier : uint32_t {
+  kQWidened = 8,          // FP8-cache kernel: the Q tile is fp16 in shared memory (after an e4m3 or bf16 q)
 };
 
 constexpr uint32_t kWarpgroupBarrierThreads = 128;

@@ -5,15 +5,14 @@
 //   softmax.h         masking and the online softmax
 //   epilogue.h        normalisation and the writes (out/lse, or fp32 partials for the combine kernel)
 //
-// Grid: (query-row tile, KV head, SM part); 256 threads = two warpgroups (384 for an FP8 cache: a third widens
-// the pages); one CTA per SM (227 KiB of shared memory: the Q tile, two K pages and the warpgroups' mailbox).
+// Grid: (query-row tile, KV head, SM part); 256 threads = two warpgroups; one CTA per SM (227 KiB of shared
+// memory: the Q tile, two K pages and the warpgroups' mailbox).
 #pragma once
 
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/grid_dependency_control.h>
-#include <cutlass/arch/reg_reconfig.h>
 
 #include "kv_cache_tma.h"
 #include "launch.h"
@@ -38,10 +37,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
       }
     }
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
-    if constexpr (Traits::kFp8Cache) {    // kWiden: 128 arrivals
-      for (auto& stage : smem.unit_ready) for (uint64_t& ready : stage) cutlass::arch::ClusterBarrier::init(&ready, 128);
-      cutlass::arch::ClusterBarrier::init(&smem.q_ready, Traits::kWarpgroupThreads);
-    }
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
@@ -66,17 +61,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();
 
-  const int warpgroup = threadIdx.x / Traits::kWarpgroupThreads;
-  if constexpr (Traits::kFp8Cache) {
-    // The widening warpgroup needs few registers; the computing ones take them (splitkv_traits.h).
-    if (warpgroup == static_cast<int>(WarpgroupRole::kWiden)) {
-      cutlass::arch::warpgroup_reg_dealloc<Traits::kWidenRegisters>();
-      Mainloop::widen_all(params, smem, range);
-      return;
-    }
-    cutlass::arch::warpgroup_reg_alloc<Traits::kComputeRegisters>();
-  }
-  if (warpgroup == static_cast<int>(WarpgroupRole::kPageA)) {
+  if (threadIdx.x / Traits::kWarpgroupThreads == static_cast<int>(WarpgroupRole::kPageA)) {
     Mainloop::template run<WarpgroupRole::kPageA>(params, scales, smem, range, kv_head, m_tile);
   } else {
     Mainloop::template run<WarpgroupRole::kPageB>(params, scales, smem, range, kv_head, m_tile);

@@ -13,12 +13,11 @@
 
 namespace flash_mla {
 
-// The warpgroups of a CTA. Pages of a piece are taken in pairs (a, b) = (2j, 2j + 1):
+// The two warpgroups of a CTA. Pages of a piece are taken in pairs (a, b) = (2j, 2j + 1):
 //   kPageA computes S = Q K_a^T and its softmax, and owns O[:, 0:256];
 //   kPageB computes S = Q K_b^T and its softmax, and owns O[:, 256:512].
 // Each applies both pages' probabilities to its half of O (see mainloop.h for the schedule).
-//   kWiden (FP8 cache only) widens each e4m3 unit and Q tile to fp16 once it has landed, ahead of their readers.
-enum class WarpgroupRole : int { kPageA = 0, kPageB = 1, kWiden = 2 };
+enum class WarpgroupRole : int { kPageA = 0, kPageB = 1 };
 
 // SharedStorage::probs_posted[event] completes (once per pair) when the mailbox holds
 enum MailboxEvent : int {
@@ -38,14 +37,9 @@ struct SplitKvTraits {
                 "16-bit math; an e4m3 cache widens to fp16, which holds every e4m3 value exactly");
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
   static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
-  static constexpr int kNumWarpgroups = 2;                                   // the two that compute
+  static constexpr int kNumWarpgroups = 2;
   static constexpr int kWarpgroupThreads = 128;
-  static constexpr int kThreads = (kNumWarpgroups + (kFp8Cache ? 1 : 0)) * kWarpgroupThreads;
-  // Registers per thread after setmaxnreg (FP8 cache, 384 threads launched with 168 each): the computing
-  // warpgroups take what the widening one gives back, 2 x 128 x (240 - 168) = 128 x (168 - 24).
-  static constexpr int kComputeRegisters = 240;
-  static constexpr int kWidenRegisters = 24;
-  static_assert(!kFp8Cache || 2 * (kComputeRegisters - 168) == 168 - kWidenRegisters, "a register budget that adds up");
+  static constexpr int kThreads = kNumWarpgroups * kWarpgroupThreads;
   static constexpr int kColsPerWarpgroup = kHeadDimV / kNumWarpgroups;    // 256: N of O = P V (WGMMA max)
   static constexpr int kVecElems = 16 / sizeof(Element);                  // one cp.async moves 16 bytes
   static constexpr int kStages = 2;                                       // page buffers: a and b of a pair
@@ -133,9 +127,6 @@ struct SplitKvTraits {
     // Completion of each copy unit of each page buffer (TMA transaction bytes) and of the Q tile (cp.async
     // arrivals of the 128 threads that copy it).
     alignas(8) uint64_t unit_full[kStages][kUnits];
-    // FP8 cache: the unit / the Q tile is fp16 (arrivals of the 128 kWiden threads, after their async fence).
-    alignas(8) uint64_t unit_ready[kStages][kUnits];
-    alignas(8) uint64_t q_ready;
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];
