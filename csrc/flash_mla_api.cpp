@@ -92,6 +92,11 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   };
   check_descale(descale_q, "descale_q");
   check_descale(descale_k, "descale_k");
+  TORCH_CHECK(q.dim() == 4, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
+  const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2), num_heads_k = k_cache.size(2);
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
+  TORCH_CHECK(q.size(3) == kHeadDimQK, "q: expected head_dim ", kHeadDimQK, ", got ", q.size(3));
   CHECK_DEVICE(k_cache, dev);
   if (!fp8_cache) CHECK_DTYPE(k_cache, dtype);
   TORCH_CHECK(k_cache.size(1) == kPageBlockSize && k_cache.size(3) == kHeadDimQK && k_cache.size(0) >= 1,
