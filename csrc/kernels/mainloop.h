@@ -192,6 +192,7 @@ struct SplitKvMainloop {
         for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       }
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+      __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
       cutlass::arch::NamedBarrier::sync(Traits::kThreads, static_cast<uint32_t>(CtaBarrier::kQWidened));
     }
   }
@@ -288,6 +289,7 @@ struct SplitKvMainloop {
       if constexpr (Traits::kFp8Cache) {
         widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
         cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+        __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
         warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
       }
       warpgroup_arrive();
