@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
 
 #include "kernels/params.h"
 
@@ -88,7 +89,11 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
     const at::Tensor& d = descale.value();
     TORCH_CHECK(d.device() == dev, name, ": expected a tensor on ", dev, ", got ", d.device());
     TORCH_CHECK(d.scalar_type() == at::kFloat, name, ": expected dtype float32, got ", d.scalar_type());
-    TORCH_CHECK(d.dim() == 1 && d.size(0) == 1, name, ": expected shape (1,), got ", d.sizes());
+    if (d.dim() != 1 || d.size(0) != 1) {
+      std::string shape = "(";
+      for (int64_t i = 0; i < d.dim(); ++i) shape += std::to_string(d.size(i)) + (i + 1 < d.dim() ? ", " : "");
+      TORCH_CHECK(false, name, ": expected shape (1,), got ", shape + (d.dim() == 1 ? ",)" : ")"));
+    }
   };
   check_descale(descale_q, "descale_q");
   check_descale(descale_k, "descale_k");

@@ -192,8 +192,9 @@ struct SplitKvMainloop {
         for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       }
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-      __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
-      cutlass::arch::NamedBarrier::sync(Traits::kThreads, static_cast<uint32_t>(CtaBarrier::kQWidened));
+      // Both warpgroups; the non-.aligned form, since warps may arrive here unconverged (synccheck).
+      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
+                   : "memory");
     }
   }
 
