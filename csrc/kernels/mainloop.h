@@ -34,8 +34,9 @@
 // piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
 // buffer (possibly the next piece's) as soon as it is done with it (listed in splitkv_traits.h): the RoPE unit
 // right after S, each V half after its last P V. S takes its K blocks in the order the units are refilled (RoPE
-// first), so it starts before the page has landed. Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and
-// each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
+// first), so it starts before the page has landed. Slots past a sequence's end arrive as the cache holds them
+// (maybe NaN): S masks those keys and, for a 16-bit cache, each warpgroup zeroes those V rows of a piece's
+// partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
@@ -154,14 +155,15 @@ struct SplitKvMainloop {
   template <int kPasses>
   __device__ static void widen_unit(Element* tile, int unit, int first_row, int valid_rows) {
     static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
-    const int t = threadIdx.x % kWgThreads, i = t % 8;
+    const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = first_row + t / 8;
     const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
     char* tile_bytes = reinterpret_cast<char*>(tile);
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + (first_row + t / 8) * 128 + i * 16;
+    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + i * 16;
     const int seg = Traits::first_segment(unit) + i / 4;
-    const int first = (i / 4) & 1;
-    char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, first_row + t / 8, 2 * (i % 4) + first);
-    char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, first_row + t / 8, 2 * (i % 4) + 1 - first);
+    const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
+    // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.
+    char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
+    char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
     uint4 bytes[kPasses];
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) bytes[pass] = *reinterpret_cast<const uint4*>(src + pass * 16 * 128);
@@ -170,7 +172,7 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
         uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (first_row + t / 8 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], lo, hi);
+        if (row0 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], lo, hi);
         *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = first ? hi : lo;
         *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = first ? lo : hi;
       }
@@ -359,9 +361,10 @@ struct SplitKvMainloop {
 
   // Both warpgroups run this with their own role; the mailbox hand-offs keep them one pair apart at most.
   template <WarpgroupRole kRole>
-  __device__ __forceinline__ static void attend_piece(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
-                                      const PieceRange& range, const Piece& piece, int kv_head, int m_tile,
-                                      PipelinePhases& phases) {
+  __device__ __forceinline__ static void attend_piece(const DecodeParams& p, const SplitKvScales& scales,
+                                                      SharedStorage& smem, const PieceRange& range,
+                                                      const Piece& piece, int kv_head, int m_tile,
+                                                      PipelinePhases& phases) {
     using namespace cute;
     constexpr int kWarpgroup = static_cast<int>(kRole);
     const int wg_thread = threadIdx.x % kWgThreads;
@@ -562,8 +565,9 @@ struct SplitKvMainloop {
   }
 
   template <WarpgroupRole kRole>
-  __device__ __forceinline__ static void run(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
-                             const PieceRange& range, int kv_head, int m_tile) {
+  __device__ __forceinline__ static void run(const DecodeParams& p, const SplitKvScales& scales,
+                                             SharedStorage& smem, const PieceRange& range, int kv_head,
+                                             int m_tile) {
     prologue<kRole>(p, smem, range, kv_head, m_tile);
     PipelinePhases phases;
     for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
