@@ -4,12 +4,16 @@ Every message names the function, the argument, what was expected and what was g
 
 `check_decode_args` runs once per layer per decoding step, so it first tries one flat expression that holds for
 every valid call (a few microseconds); only when that fails does it walk the detailed checks that say what is
-wrong. Nothing here reads tensor values, so nothing synchronises with the GPU.
+wrong. It reads no tensor values, so nothing synchronises with the GPU.
 
-Opt-in debug mode (environment variable FLASH_MLA_DEBUG=1, read at every call) adds value checks that do read
-the tensors, with a host synchronisation: lengths >= 0 and within the block table, block-table entries in range,
-metadata that matches the lengths, finite queries, finite positive FP8 descales (`check_decode_values`,
-`check_metadata_values`).
+Value checks read the tensors. For CPU tensors reading them costs nothing, so every decoding call on the CPU
+(any backend: "cpu", or "triton" in Triton's interpreter) checks the cache bounds (`check_cache_bounds`, a few
+vectorised torch ops): every length >= 0 and at most block_table.shape[1] * 64, and every block-table entry a
+length reaches in [0, num_blocks). For CUDA tensors they would need a host synchronisation, so they run only in
+the opt-in debug mode (environment variable FLASH_MLA_DEBUG=1, read at every call), which on any device also
+checks that the metadata matches the lengths, that the queries are finite and that the FP8 descales are finite
+and positive (`check_decode_values`, `check_metadata_values`); debug mode runs the same `check_cache_bounds`
+first.
 
 FP8 KV cache (flash_mla/fp8.py): k_cache float8_e4m3fn with descale_k, and q either float8_e4m3fn with descale_q or
 bf16 / fp16 without one. A descale is a float32 tensor of shape (1,) on q's device. Missing or superfluous
@@ -312,55 +316,79 @@ def _check_plan(c: _Checker, tile_scheduler_metadata, num_splits, device: torch.
     c.dim("num_splits", num_splits, 0, b + 1, "batch_size + 1; metadata from a different batch?")
 
 
-# ---- opt-in debug mode: value checks with a host synchronisation ----------------------------------------------
+# ---- value checks: every call on CPU tensors, debug mode on CUDA tensors (a host synchronisation) --------------
 
 def debug_enabled() -> bool:
     """FLASH_MLA_DEBUG set to anything but "" or "0", read at every call (tests monkeypatch it)."""
     return os.environ.get(DEBUG_ENV_VAR, "0") not in ("", "0")
 
 
-def _check_lengths(c: _Checker, seqlens: list, max_tokens: int | None) -> None:
-    for i, length in enumerate(seqlens):
-        if length < 0:
-            c.fail(ValueError, f"cache_seqlens[{i}]", "a length >= 0", length)
-        if max_tokens is not None and length > max_tokens:
-            c.fail(ValueError, f"cache_seqlens[{i}]",
-                   f"at most block_table.shape[1] * {PAGE_BLOCK_SIZE} = {max_tokens} tokens (sequence {i} is longer "
-                   f"than its pages)", length)
+def bounds_checked(device: torch.device) -> bool:
+    """Whether a decoding call on `device` runs `check_cache_bounds`: always for CPU tensors (reading them costs
+    nothing), in debug mode for CUDA ones (a host synchronisation)."""
+    return device.type == "cpu" or debug_enabled()
+
+
+def _check_lengths(c: _Checker, cache_seqlens: torch.Tensor, max_tokens: int | None) -> None:
+    """0 <= cache_seqlens[i] (<= max_tokens): vectorised; only a failing call looks for the first bad row."""
+    bad = cache_seqlens < 0
+    if max_tokens is not None:
+        bad |= cache_seqlens > max_tokens
+    if not bool(bad.any()):
+        return
+    i = int(bad.nonzero()[0])
+    length = int(cache_seqlens[i])
+    if length < 0:
+        c.fail(ValueError, f"cache_seqlens[{i}]", "a length >= 0", length)
+    c.fail(ValueError, f"cache_seqlens[{i}]",
+           f"at most block_table.shape[1] * {PAGE_BLOCK_SIZE} = {max_tokens} tokens (sequence {i} is longer than "
+           "its pages)", length)
 
 
 def check_metadata_values(cache_seqlens: torch.Tensor) -> None:
     """Debug mode, get_mla_metadata: every length >= 0 (reads cache_seqlens: a host sync)."""
-    _check_lengths(_Checker("get_mla_metadata"), cache_seqlens.tolist(), None)
+    _check_lengths(_Checker("get_mla_metadata"), cache_seqlens, None)
+
+
+def check_cache_bounds(k_cache, block_table, cache_seqlens, fn: str = "flash_mla_with_kvcache") -> None:
+    """The values that keep a call inside its KV cache (arguments already passed `check_decode_args`):
+
+    * 0 <= cache_seqlens[i] <= block_table.shape[1] * 64;
+    * every block_table entry sequence i reads (its first ceil(L_i / 64) pages) lies in [0, num_blocks); entries
+      past a sequence's last page are never read and may hold anything (-1 padding).
+    Raises ValueError naming `fn`, the sequence and the bad entry. A handful of vectorised torch ops; run on every
+    call for CPU tensors and in debug mode for CUDA ones (where reading the result is a host sync).
+    """
+    c = _Checker(fn)
+    num_blocks, max_pages = k_cache.shape[0], block_table.shape[1]
+    _check_lengths(c, cache_seqlens, max_pages * PAGE_BLOCK_SIZE)
+    if max_pages == 0:          # then every length is 0: no page is read
+        return
+    # page j of sequence i is read iff j * 64 < L_i (int64: no overflow however wide the table)
+    first_token = torch.arange(0, max_pages * PAGE_BLOCK_SIZE, PAGE_BLOCK_SIZE, device=block_table.device)
+    needed = first_token[None, :] < cache_seqlens[:, None]
+    bad = needed & ((block_table < 0) | (block_table >= num_blocks))
+    if bool(bad.any()):
+        i, j = (int(x) for x in bad.nonzero()[0].tolist())
+        c.fail(ValueError, f"block_table[{i}, {j}]",
+               f"a block index in [0, {num_blocks}) (num_blocks of k_cache) for page {j} of sequence {i}, "
+               f"which has {int(cache_seqlens[i])} tokens", int(block_table[i, j]))
 
 
 def check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                        descale_q=None, descale_k=None) -> None:
+                        descale_q=None, descale_k=None, fn: str = "flash_mla_with_kvcache") -> None:
     """Debug mode, flash_mla_with_kvcache (arguments already passed `check_decode_args`); reads the tensors.
 
-    * 0 <= cache_seqlens[i] <= block_table.shape[1] * 64;
-    * every block_table entry sequence i reads (its first ceil(L_i / 64) pages) lies in [0, num_blocks);
+    * `check_cache_bounds`: lengths within the block table, block-table entries a length reaches in range;
     * tile_scheduler_metadata and num_splits are exactly what get_mla_metadata gives for these lengths (with
       tile_scheduler_metadata.shape[0] SM parts): metadata from another step or another batch is caught here;
     * q is finite in every sequence with L > 0 (padding rows with L = 0 may hold anything);
     * the FP8 descales, when given, are finite and > 0.
-    Raises ValueError naming the sequence and the bad entry.
+    Raises ValueError naming `fn`, the sequence and the bad entry.
     """
-    c = _Checker("flash_mla_with_kvcache")
+    check_cache_bounds(k_cache, block_table, cache_seqlens, fn)
+    c = _Checker(fn)
     seqlens = cache_seqlens.tolist()
-    num_blocks, max_pages = k_cache.shape[0], block_table.shape[1]
-    _check_lengths(c, seqlens, max_pages * PAGE_BLOCK_SIZE)
-
-    if max_pages > 0:
-        lengths = cache_seqlens.to(torch.int64)
-        pages = (lengths + PAGE_BLOCK_SIZE - 1) // PAGE_BLOCK_SIZE
-        needed = torch.arange(max_pages, device=block_table.device)[None, :] < pages[:, None]
-        bad = needed & ((block_table < 0) | (block_table >= num_blocks))
-        if bool(bad.any()):
-            i, j = (int(x) for x in bad.nonzero()[0].tolist())
-            c.fail(ValueError, f"block_table[{i}, {j}]",
-                   f"a block index in [0, {num_blocks}) (num_blocks of k_cache) for page {j} of sequence {i}, "
-                   f"which has {seqlens[i]} tokens", int(block_table[i, j]))
 
     expected_md, expected_ns = schedule(seqlens, tile_scheduler_metadata.shape[0])
     got_ns = num_splits.tolist()

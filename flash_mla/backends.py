@@ -151,12 +151,17 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
                head_dim_v: int, tile_scheduler_metadata: torch.Tensor, num_splits: torch.Tensor,
                softmax_scale: float, causal: bool, backend: str | None,
                attn_sink: torch.Tensor | None = None, descale_q: torch.Tensor | None = None,
-               descale_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode on the selected backend (see `select_backend`); FLASH_MLA_DEBUG=1 checks the values first.
-    descale_q / descale_k: the FP8 scales (k_cache float8_e4m3fn), else None."""
+               descale_k: torch.Tensor | None = None,
+               fn: str = "flash_mla_with_kvcache") -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode on the selected backend (see `select_backend`), after the value checks: the cache bounds on every
+    call with CPU tensors (whatever the backend), everything `check_decode_values` checks with FLASH_MLA_DEBUG=1
+    (on any device). descale_q / descale_k: the FP8 scales (k_cache float8_e4m3fn), else None. `fn`: the public
+    function named in messages."""
     if _validation.debug_enabled():
         _validation.check_decode_values(q, k_cache, block_table, cache_seqlens, tile_scheduler_metadata, num_splits,
-                                        descale_q, descale_k)
+                                        descale_q, descale_k, fn=fn)
+    elif q.device.type == "cpu":
+        _validation.check_cache_bounds(k_cache, block_table, cache_seqlens, fn)
     fp8 = k_cache.dtype == FP8_DTYPE
     name = select_backend(q.device, backend, fp8)
     if name == "cuda":

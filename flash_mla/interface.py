@@ -163,6 +163,9 @@ def _plan(fn: str, schedule: MLASchedule, q, k_cache, block_table, cache_seqlens
                                       softmax_scale, causal, attn_sink=attn_sink, pointers=not _is_compiling(),
                                       planned_here=True, descale_q=descale_q, descale_k=descale_k,
                                       is_fp8_kvcache=is_fp8_kvcache, fn=fn)
+        if not _is_compiling() and _validation.bounds_checked(q.device):
+            # the lengths and pages, before planning from them: a bad call leaves the schedule unplanned
+            _validation.check_cache_bounds(k_cache, block_table, cache_seqlens, fn)
         b, s_q, h_q, _ = q.shape
         h_kv = k_cache.shape[2]
         md, ns = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv, num_sms=schedule.num_sms)
@@ -229,8 +232,10 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
         softmax_lse: (batch_size, num_heads_q, seqlen_q) float32, natural log of the softmax denominator
             (-inf for rows that see no key; upstream's current release returns +inf there).
 
-    No host synchronisation (CUDA-graph safe). With FLASH_MLA_DEBUG=1 the call first checks the tensors' values
-    (lengths, block-table entries, metadata, finite q), which does synchronise; see docs/HARDENING.md.
+    No host synchronisation (CUDA-graph safe). With CPU tensors every call first checks the lengths and the
+    block-table entries they reach (ValueError naming the entry); with FLASH_MLA_DEBUG=1 the call checks the
+    tensors' values on any device (lengths, block-table entries, metadata, finite q), which on a GPU does
+    synchronise; see docs/HARDENING.md.
     """
     fn = "flash_mla_with_kvcache"
     for arg, value in (("indices", indices), ("extra_k_cache", extra_k_cache),
@@ -295,4 +300,4 @@ def _decode(fn: str, q, k_cache, block_table, cache_seqlens, head_dim_v, tile_sc
                                   descale_k=descale_k, is_fp8_kvcache=is_fp8_kvcache, fn=fn)
     softmax_scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
     return run_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
-                      softmax_scale, causal, backend, attn_sink, descale_q, descale_k)
+                      softmax_scale, causal, backend, attn_sink, descale_q, descale_k, fn=fn)

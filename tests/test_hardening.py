@@ -1,5 +1,6 @@
 """Production hardening on the CPU backend: the opt-in debug mode (FLASH_MLA_DEBUG=1), NaN/Inf in q, negative
-lengths, stale metadata, padded batches and determinism. The GPU counterparts are in tests/test_gpu_hardening.py.
+lengths, stale metadata, padded batches and determinism (the cache-bound checks every CPU call makes are in
+tests/test_cpu_value_checks.py). The GPU counterparts are in tests/test_gpu_hardening.py.
 """
 import math
 
@@ -38,15 +39,20 @@ def run(batch, md, ns, **kw):
 
 @pytest.mark.parametrize("value,enabled", [("1", True), ("yes", True), ("0", False), ("", False)])
 def test_debug_mode_is_read_at_every_call(monkeypatch, value, enabled):
+    """The debug-only checks (here: finite q) follow the variable call by call; the cache bounds are checked on
+    every call with CPU tensors, whatever it says (tests/test_cpu_value_checks.py)."""
     batch, md, ns = make([5, 70, 0])
+    batch.q[1, 0, 3, 9] = math.nan                         # a query of the 70-token sequence
+    run(batch, md, ns)                                     # debug off: not checked (NaN stays in row 1)
     bad_table = batch.block_table.clone()
     bad_table[1, 0] = -1                                   # page 0 of a 70-token sequence
-    run(batch, md, ns, block_table=bad_table)              # debug off: not checked (the CPU backend reads block -1)
     monkeypatch.setenv(DEBUG, value)
     if enabled:
-        with pytest.raises(ValueError, match=r"^flash_mla_with_kvcache: block_table\[1, 0\]: expected a block index"):
-            run(batch, md, ns, block_table=bad_table)
+        with pytest.raises(ValueError, match=r"^flash_mla_with_kvcache: q\[1\]: expected finite values"):
+            run(batch, md, ns)
     else:
+        run(batch, md, ns)
+    with pytest.raises(ValueError, match=r"^flash_mla_with_kvcache: block_table\[1, 0\]: expected a block index"):
         run(batch, md, ns, block_table=bad_table)
 
 
