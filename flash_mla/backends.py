@@ -15,6 +15,11 @@ FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py) follow the same rule: "c
 kernel widens the pages to fp16 in shared memory), "triton" elsewhere (it loads the fp8 cache directly and needs
 compute capability 8.9+), "cpu" dequantises and computes. `_unavailable_reason(..., fp8=True)` says why a backend
 cannot take them.
+
+Sparse FP8 decoding (flash_mla_with_kvcache(..., indices=...), flash_mla/sparse_fp8.py layout) has its own entry,
+`run_sparse_decode`, with the same rule minus "cuda" (there is no CUDA sparse kernel yet: forcing it raises
+RuntimeError): CPU tensors -> "cpu" (or "triton" in the interpreter when forced), CUDA tensors -> "triton"
+(flash_mla.triton_sparse).
 """
 from __future__ import annotations
 
@@ -25,7 +30,7 @@ from typing import Optional
 
 import torch
 
-from . import _validation
+from . import _sparse_validation, _validation
 from .fp8 import FP8_DTYPE
 from .scheduler import get_mla_metadata_twin, num_sm_parts_for
 
@@ -176,3 +181,57 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
     from .cpu_backend import mla_decode_cpu
     return mla_decode_cpu(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                           num_splits, softmax_scale, causal, attn_sink, descale_q, descale_k)
+
+
+# ---- sparse FP8 decoding ---------------------------------------------------------------------------------------
+
+def select_sparse_backend(device: torch.device, requested: Optional[str] = None) -> str:
+    """The backend of a sparse FP8 call on `device` (requested: the keyword, else $FLASH_MLA_BACKEND): "cpu" for
+    CPU tensors, "triton" for CUDA ones (and for CPU tensors in Triton's interpreter when forced); "cuda" has no
+    sparse kernel yet. RuntimeError when the requested (or only) candidate cannot run, saying why."""
+    if requested is None:
+        requested = os.environ.get(ENV_VAR) or None
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), got {requested!r}")
+    if requested == "cuda":
+        raise RuntimeError("flash_mla: backend 'cuda' was requested but is unavailable: there is no CUDA kernel for "
+                           "sparse FP8 decoding (indices) yet; use 'triton' on a GPU or 'cpu' for CPU tensors")
+    if requested is None:
+        if device.type == "cpu":
+            return "cpu"
+        if device.type != "cuda":
+            raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
+    name = requested or "triton"
+    reason = _unavailable_reason(name, device, fp8=True)
+    if reason is None and name == "triton":
+        module, why = _import("flash_mla.triton_sparse")
+        if module is None:
+            reason = f"the Triton sparse kernel (flash_mla.triton_sparse) could not be imported ({why})"
+        elif hasattr(module, "unavailable_reason"):
+            reason = module.unavailable_reason(device)
+    if reason is not None:
+        if requested is not None:
+            raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
+        raise RuntimeError(f"flash_mla: no backend can run sparse FP8 decoding on {device}: cuda: no CUDA sparse "
+                           f"kernel yet; triton: {reason}")
+    return name
+
+
+def run_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+                      topk_length: torch.Tensor | None, tile_scheduler_metadata: torch.Tensor,
+                      num_splits: torch.Tensor, softmax_scale: float, attn_sink: torch.Tensor | None,
+                      backend: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse FP8 decoding on the selected backend (`select_sparse_backend`); arguments already validated (and
+    their values, where the caller checks them: CPU tensors, or FLASH_MLA_DEBUG=1). In debug mode the plan is
+    checked against the rows' lengths first. Both backends take the same arguments: flash_mla/cpu_sparse.py says
+    what they mean."""
+    if _validation.debug_enabled():
+        _sparse_validation.check_sparse_plan_values(indices, topk_length, tile_scheduler_metadata, num_splits)
+    name = select_sparse_backend(q.device, backend)
+    if name == "triton":
+        from .triton_sparse import sparse_decode_triton
+        return sparse_decode_triton(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,
+                                    softmax_scale, attn_sink)
+    from .cpu_sparse import sparse_decode_cpu
+    return sparse_decode_cpu(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits, softmax_scale,
+                             attn_sink)

@@ -18,11 +18,20 @@ dispatcher's per-call cost. Calling the ops directly works in eager mode too. Th
 current form (interface.MLASchedule) is plain Python state: under torch.compile its first use traces the
 metadata op and stores the traced tensors in it, so the ops never see it.
 
+Sparse FP8 decoding (DeepSeek-V3.2, flash_mla/sparse_fp8.py) is an op of its own:
+
+    torch.ops.flash_mla.sparse_decode(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,
+                                      softmax_scale, backend=None, attn_sink=None)
+        -> (out, softmax_lse)
+
+with the arguments of backends.run_sparse_decode (topk_length and attn_sink optional); its plan comes from the
+metadata op on the rows' lengths (topk_length, or full(topk)), as flash_mla.interface makes it.
+
 The fake (meta) implementations give the output shapes without running anything:
   * metadata: (num_sm_parts, 8) and (b + 1,) int32, num_sm_parts = scheduler.num_sm_parts_for(num_sms, ...),
     which depends only on the SM count and the head counts, never on the lengths;
   * decode: out (b, s_q, h_q, head_dim_v) in q's dtype (bf16 for an fp8 q) and lse (b, h_q, s_q) float32, both
-    contiguous.
+    contiguous; sparse decode: out (b, s_q, h_q, 512) in q's dtype and lse (b, h_q, s_q) float32.
 Both implementations validate their arguments like the eager API (the fake one without the data-pointer
 alignment check, since fake tensors have no data; the real one checks it again when the graph runs).
 """
@@ -32,9 +41,9 @@ from typing import Optional
 
 import torch
 
-from . import _validation
-from ._geometry import DEFAULT_SOFTMAX_SCALE, METADATA_WIDTH
-from .backends import default_num_sms, run_decode, run_metadata
+from . import _sparse_validation, _validation
+from ._geometry import DEFAULT_SOFTMAX_SCALE, HEAD_DIM_V, METADATA_WIDTH
+from .backends import default_num_sms, run_decode, run_metadata, run_sparse_decode
 from .fp8 import decode_out_dtype
 from .scheduler import num_sm_parts_for
 
@@ -89,6 +98,34 @@ if AVAILABLE:
         return (q.new_empty((b, s_q, h_q, head_dim_v), dtype=decode_out_dtype(q.dtype)),
                 q.new_empty((b, h_q, s_q), dtype=torch.float32))
 
+    @torch.library.custom_op("flash_mla::sparse_decode", mutates_args=())
+    def sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+                      topk_length: Optional[torch.Tensor], tile_scheduler_metadata: torch.Tensor,
+                      num_splits: torch.Tensor, softmax_scale: float, backend: Optional[str] = None,
+                      attn_sink: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_sparse(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits, softmax_scale,
+                      attn_sink, pointers=True)
+        if _validation.bounds_checked(q.device):        # CPU tensors, or debug mode
+            _sparse_validation.check_sparse_decode_values(k_cache, indices, topk_length)
+        return run_sparse_decode(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,
+                                 softmax_scale, attn_sink, backend)
+
+    @sparse_decode.register_fake
+    def _sparse_decode_fake(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits, softmax_scale,
+                            backend=None, attn_sink=None):
+        _check_sparse(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits, softmax_scale,
+                      attn_sink, pointers=False)
+        b, s_q, h_q, _ = q.shape
+        return (q.new_empty((b, s_q, h_q, HEAD_DIM_V)), q.new_empty((b, h_q, s_q), dtype=torch.float32))
+
+
+def _check_sparse(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits, softmax_scale, attn_sink,
+                  pointers: bool, fn: str = "flash_mla_with_kvcache") -> None:
+    """The sparse call's argument checks with the op's arguments (no block table, no lengths, not causal)."""
+    _sparse_validation.check_sparse_decode_args(q, k_cache, None, None, HEAD_DIM_V, tile_scheduler_metadata,
+                                                num_splits, softmax_scale, False, True, indices, attn_sink,
+                                                topk_length, pointers=pointers, fn=fn)
+
 
 def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms):
     """get_mla_metadata while torch.compile traces: validate (traced; no tensor data is read), call the op."""
@@ -113,3 +150,17 @@ def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     return torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v,
                                           tile_scheduler_metadata, num_splits, scale, causal, backend, attn_sink,
                                           descale_q, descale_k)
+
+
+def sparse_decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
+                              num_splits, softmax_scale, causal, is_fp8_kvcache, indices, attn_sink, topk_length,
+                              backend, descale_q=None, descale_k=None, fn="flash_mla_with_kvcache"):
+    """flash_mla_with_kvcache(..., indices=...) while torch.compile traces: validate everything but values and
+    pointers (traced), then call the sparse op (whose real implementation checks them)."""
+    _sparse_validation.check_sparse_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v,
+                                                tile_scheduler_metadata, num_splits, softmax_scale, causal,
+                                                is_fp8_kvcache, indices, attn_sink, topk_length, descale_q,
+                                                descale_k, pointers=False, fn=fn)
+    scale = DEFAULT_SOFTMAX_SCALE if softmax_scale is None else float(softmax_scale)
+    return torch.ops.flash_mla.sparse_decode(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,
+                                             scale, backend, attn_sink)

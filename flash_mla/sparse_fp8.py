@@ -88,6 +88,23 @@ def dequantize_kv_cache_v32(k_cache: torch.Tensor) -> torch.Tensor:
     return torch.cat([(latent * scale).reshape(*lead, LATENT_DIM), rope], dim=-1)
 
 
+def num_cache_tokens(k_cache: torch.Tensor) -> int:
+    """Tokens a (num_blocks, page_block_size, 1, 656) cache holds: valid token numbers are [0, this)."""
+    return k_cache.shape[0] * k_cache.shape[1]
+
+
+def gather_tokens(k_cache: torch.Tensor, token_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The float32 tokens (..., 576) numbered `token_ids` (any shape), dequantised; 0 where `valid` is False.
+
+    Only the tokens of valid slots are read: an invalid slot's id (-1, a slot past topk_length, anything) is
+    never used as an address, and its row is 0 whatever the cache holds (NaN included).
+    """
+    raw = as_bytes(k_cache).reshape(-1, TOKEN_BYTES)
+    tokens = torch.zeros(*token_ids.shape, HEAD_DIM_QK, dtype=torch.float32, device=raw.device)
+    tokens[valid] = dequantize_kv_cache_v32(raw[token_ids[valid].long()])
+    return tokens
+
+
 def valid_index_mask(indices: torch.Tensor, topk_length: Optional[torch.Tensor]) -> torch.Tensor:
     """(b, s_q, topk) bool: the slots that count (not -1, and within topk_length[i] when it is given)."""
     valid = indices >= 0

@@ -4,8 +4,9 @@
 2. upstream's current form: get_mla_metadata() -> (schedule, None); the first flash_mla_with_kvcache(...,
    schedule, None) plans and stores the plan, later calls reuse it; a call with another batch shape raises;
 3. the keyword arguments engines pass: num_heads_q, is_fp8_kvcache, topk, indices, attn_sink (and upstream's
-   sparse-attention extras): defaults work, unsupported values raise NotImplementedError naming the argument
-   (is_fp8_kvcache=True is supported: tests/test_fp8.py).
+   sparse-attention extras): defaults work, unsupported values (the second sparse cache: extra_k_cache,
+   extra_indices_in_kvcache, extra_topk_length) raise NotImplementedError naming the argument
+   (is_fp8_kvcache=True is supported: tests/test_fp8.py; indices, topk_length and topk: tests/test_sparse.py).
 
 On the CPU: all three forms against each other bit for bit, the schedule's life cycle and errors, debug mode,
 torch.compile of the lazy form. On a GPU (skipped without one): the lazy form captured in a CUDA graph (planning
@@ -236,21 +237,9 @@ def test_metadata_argument_names():
         get_mla_metadata(seqlens, 32)
 
 
-@pytest.mark.parametrize("kwargs,arg", [
-    (dict(topk=2048), "topk"),
-])
-@pytest.mark.parametrize("form", ["classic", "lazy"])
-def test_unsupported_metadata_keywords(kwargs, arg, form):
-    args = (torch.tensor([5, 70], dtype=torch.int32), 32, 1) if form == "classic" else ()
-    with pytest.raises(NotImplementedError, match=rf"^{META}: {arg}: .* is not supported; expected"):
-        get_mla_metadata(*args, **kwargs)
-
-
 @pytest.mark.parametrize("arg,value", [
-    ("indices", torch.zeros(4, 2, 16, 64, dtype=torch.int32)),
     ("extra_k_cache", torch.zeros(1, 64, 1, 656, dtype=torch.uint8)),
     ("extra_indices_in_kvcache", torch.zeros(4, 2, 16, 64, dtype=torch.int32)),
-    ("topk_length", torch.zeros(4, dtype=torch.int32)),
     ("extra_topk_length", torch.zeros(4, dtype=torch.int32)),
 ])
 @pytest.mark.parametrize("form", ["classic", "lazy"])

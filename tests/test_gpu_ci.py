@@ -65,6 +65,7 @@ REASONS = {
     "no CUDA runtime headers under {}": MISSING,
     "CUTLASS headers: pip install nvidia-cutlass": MISSING,
     "triton is not installed": MISSING,
+    "the Triton sparse kernel flash_mla/triton_sparse.py is not in this tree": MISSING,           # test_sparse
     "inductor on CUDA needs triton": MISSING,
     # flash_mla's availability checks, passed on as skip reasons (tests/test_gpu_hardening.py, test_custom_ops.py,
     # test_compat.py, test_attn_sink.py)
