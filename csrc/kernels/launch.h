@@ -11,31 +11,19 @@ namespace flash_mla {
 // With `programmatic`, the grid's CTAs may be scheduled before the previous kernel on `stream` has finished; the
 // kernel must then wait in griddepcontrol.wait before it reads anything that kernel writes (without the attribute
 // that wait returns at once). A launch error is left for cudaGetLastError (the binding checks it).
-// `cluster_x` > 1 launches clusters of that many CTAs along x (grid.x must be a multiple of it).
 template <class... KernelArgs, class... Args>
 void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
-                   bool programmatic, int cluster_x, Args&&... args) {
+                   bool programmatic, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attributes[2];
-  int count = 0;
-  if (programmatic) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count].val.programmaticStreamSerializationAllowed = 1;
-    ++count;
-  }
-  if (cluster_x > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = cluster_x;
-    attributes[count].val.clusterDim.y = 1;
-    attributes[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  config.attrs = attributes;
-  config.numAttrs = count;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = programmatic ? 1 : 0;
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

@@ -124,53 +124,20 @@ struct SplitKvMainloop {
     return &sX(r, c) + row_iter * kCopyRowStep * kSegmentCols + seg * kBlockN * kSegmentCols;
   }
 
-  // The CTA of a pair that issues the pair's page copies (rank 0 of the cluster).
-  static constexpr uint32_t kLeaderRank = 0;
-
-  // Arms the barriers of copy group `group` of buffer `stage` for the page that comes next: this CTA expects the
-  // group's bytes, whichever CTA issues the copies. Nothing to do when no page is left for the buffer.
-  __device__ static void arm_group(SharedStorage& smem, int stage, CopyGroup group) {
-    CUTE_UNROLL
-    for (int u = 0; u < Traits::group_units(group); ++u) {
-      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(
-          &smem.unit_full[stage][Traits::group_first_unit(group) + u], Traits::kUnitBytes);
-    }
-  }
-
-  // Issues the TMA copies of copy group `group` of the page in cache block `block` into buffer `stage`, into the
-  // shared memory of every CTA in `cta_mask` (a multicast when the tiles are paired), each unit signalling the
-  // barrier at the same place in each of them. L2 policy: page_cache_hint.
-  __device__ static void issue_group(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block,
-                                     int kv_head, CopyGroup group, uint16_t cta_mask) {
-    CUTE_UNROLL
-    for (int u = 0; u < Traits::group_units(group); ++u) {
-      const int unit = Traits::group_first_unit(group) + u;
-      uint64_t* full = &smem.unit_full[stage][unit];
-      Element* dst = smem.k[stage].data() + Traits::first_segment(unit) * kSegmentElems;
-      if (p.tiles_per_cluster == 1) {
-        cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p, block), dst, unit * Traits::kUnitCols,
-                                     0, kv_head, block.block);
-      } else {
-        cute::SM90_TMA_LOAD_MULTICAST_4D::copy(p.k_cache_tma, full, cta_mask, page_cache_hint(p, block), dst,
-                                               unit * Traits::kUnitCols, 0, kv_head, block.block);
-      }
-    }
-  }
-
-  // This warpgroup is done reading copy group `group` of buffer `stage`: refill it with the page in cache block
-  // `block`, the next page for that buffer. One thread of the warpgroup does it. Alone, it arms the group's
-  // barriers and issues the copies. Paired (two row tiles of one SM part in a cluster, walking the same pages),
-  // each CTA arms its own barriers, then counts its release on the leader's group_releases (an acq_rel atomic at
-  // cluster scope); the CTA that releases second issues the copies once for both by multicast. Nobody waits:
-  // the copy leaves as soon as the later of the two releases, and the first releaser's reads are ordered before
-  // it by the atomic. Every CTA arms before it releases, so no copy lands on an unarmed barrier.
+  // Copy units [first_unit, first_unit + num_units) of the page in cache block `block` into buffer `stage`: one
+  // thread of the warpgroup arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy:
+  // page_cache_hint). Nothing to do when no page is left for the buffer.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
-                                CopyGroup group) {
+                                int first_unit, int num_units) {
     if (!block.valid || threadIdx.x % kWgThreads != 0) return;
-    arm_group(smem, stage, group);
-    if (p.tiles_per_cluster == 1) return issue_group(p, smem, stage, block, kv_head, group, 1);
-    const uint32_t earlier = atomic_add_on_cta(&smem.group_releases[stage][group], kLeaderRank, 1);
-    if (earlier % 2 == 1) issue_group(p, smem, stage, block, kv_head, group, (1u << p.tiles_per_cluster) - 1);
+    for (int u = 0; u < num_units; ++u) {
+      const int unit = first_unit + u;
+      uint64_t* full = &smem.unit_full[stage][unit];
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kUnitBytes);
+      cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, page_cache_hint(p, block),
+                                   smem.k[stage].data() + Traits::first_segment(unit) * kSegmentElems,
+                                   unit * Traits::kUnitCols, 0, kv_head, block.block);
+    }
   }
 
   // ================================ FP8 cache: widening in shared memory =====================================
@@ -454,7 +421,7 @@ struct SplitKvMainloop {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
-        refill(p, smem, 0, next_a, kv_head, kRopeGroup);
+        refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
@@ -492,12 +459,12 @@ struct SplitKvMainloop {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
-          refill(p, smem, 0, next_a, kv_head, kVLowGroup);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
           wait_pv(tOrO);
-          refill(p, smem, 1, next_b, kv_head, kVLowGroup);
+          refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
         } else {
           wait_pv(tOrO);
-          refill(p, smem, 0, next_a, kv_head, kVLowGroup);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
         }
         stats.max[0] = m_b[0];
         stats.max[1] = m_b[1];
@@ -510,7 +477,7 @@ struct SplitKvMainloop {
         float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
-          refill(p, smem, 1, next_b, kv_head, kRopeGroup);
+          refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1);
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
         }
 
@@ -557,12 +524,12 @@ struct SplitKvMainloop {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
-          refill(p, smem, 0, next_a, kv_head, kVHighGroup);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           wait_pv(tOrO);
-          refill(p, smem, 1, next_b, kv_head, kVHighGroup);
+          refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
         } else {
           wait_pv(tOrO);
-          refill(p, smem, 0, next_a, kv_head, kVHighGroup);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
         }
       }
       phases.page[0] ^= 1;
@@ -576,21 +543,11 @@ struct SplitKvMainloop {
 
   // ============================================ CTA ==========================================================
 
-  // Arms every unit's barrier of both buffers for the first page each receives (before the CTAs of a pair meet
-  // in the kernel shell: no first copy lands on an unarmed barrier). One thread.
-  __device__ static void arm_first_pages(SharedStorage& smem, const PieceRange& range) {
-    CUTE_UNROLL
-    for (int stage = 0; stage < Traits::kStages; ++stage) {
-      if (!range.first_block(stage).valid) continue;
-      for (int group = 0; group < kNumCopyGroups; ++group) arm_group(smem, stage, static_cast<CopyGroup>(group));
-    }
-  }
-
-  // The first Q tile (kPageB, cp.async) and every unit of both page buffers (armed by arm_first_pages), issued
-  // by one thread of kPageA (of the leader, for a pair): page a's units (RoPE first, the order S takes them)
-  // before any of page b's, so that page a can land first and S_a, its softmax and P_a V_a run while page b is
-  // still arriving (alone, within noise on the H100; measured together with the split kernel's PDL,
-  // docs/PERF.md "Split kernel"). Later refills are the copy groups' last readers' (refill).
+  // The first Q tile (kPageB, cp.async) and every unit of both page buffers, issued by one thread of kPageA:
+  // page a's units (RoPE first, the order S takes them) before any of page b's, so that page a can land
+  // first and S_a, its softmax and P_a V_a run while page b is still arriving (alone, within noise on the H100;
+  // measured together with the split kernel's PDL, docs/PERF.md "Split kernel"). Later refills are the
+  // unit owners' (the mbarriers are per unit; who issues a copy does not matter to them).
   template <WarpgroupRole kRole>
   __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
                                   int m_tile) {
@@ -599,17 +556,11 @@ struct SplitKvMainloop {
       if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
       return;
     }
-    if (threadIdx.x % kWgThreads != 0 || (p.tiles_per_cluster > 1 && cute::block_rank_in_cluster() != kLeaderRank)) {
-      return;
-    }
-    const uint16_t all_ctas = (1u << p.tiles_per_cluster) - 1;
     CUTE_UNROLL
-    for (int stage = 0; stage < Traits::kStages; ++stage) {
+    for (int stage = 0; stage < 2; ++stage) {
       const PageBlock block = range.first_block(stage);
-      if (!block.valid) continue;
-      issue_group(p, smem, stage, block, kv_head, kRopeGroup, all_ctas);
-      issue_group(p, smem, stage, block, kv_head, kVLowGroup, all_ctas);
-      issue_group(p, smem, stage, block, kv_head, kVHighGroup, all_ctas);
+      refill(p, smem, stage, block, kv_head, kRopeUnit, 1);
+      refill(p, smem, stage, block, kv_head, 0, kRopeUnit);
     }
   }
 

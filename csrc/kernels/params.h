@@ -36,8 +36,6 @@ struct DecodeParams {
   int heads_per_kv;              // num_heads_q / num_heads_k
   int rows_per_kv;               // seqlen_q * heads_per_kv: packed query rows of one KV head
   int num_row_tiles;             // ceil(rows_per_kv / 64)
-  int tiles_per_cluster;         // row tiles launched as one cluster that shares every page copy: 1 or 2 (set by
-                                 // the split kernel's launcher, splitkv_kernel.h; the binding leaves it alone)
   int num_sm_parts;
   float scale_log2;              // softmax_scale * log2(e): scores go straight into exp2
   bool causal;

@@ -25,10 +25,6 @@ enum MailboxEvent : int {
   kPageBPosted = 1,    // P_b, m_b and l from kPageB (and its S_b is complete; it has read kPageA's slots)
 };
 
-// The units of a page buffer are released (and refilled) in three groups, each when the warpgroup that reads
-// it last is done with it (SplitKvTraits::group_first_unit lists the units).
-enum CopyGroup : int { kVLowGroup = 0, kVHighGroup = 1, kRopeGroup = 2, kNumCopyGroups = 3 };
-
 // Element: the WGMMA operand type of Q, K, V and P (bf16 or fp16). CacheElement: the KV cache's element, the same
 // type, or e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
 // warpgroup that computes S on them; see mainloop.h "FP8 cache").
@@ -77,15 +73,10 @@ struct SplitKvTraits {
     return kSegments - first_segment(unit) < kSegmentsPerUnit ? kSegments - first_segment(unit) : kSegmentsPerUnit;
   }
 
-  // Which warpgroup refills a segment of a buffer (mainloop.h): the one whose work reads it last. The units of a
-  // buffer are released and refilled in three copy groups, one per such moment:
-  //   kVLowGroup   V columns [0, 256)   (segments 0-3): read last by kPageA's P V of both pages;
-  //   kVHighGroup  V columns [256, 512) (segments 4-7): read last by kPageB's P V of both pages;
-  //   kRopeGroup   RoPE columns (segment 8): read only by S, i.e. by the warpgroup that computes S for that buffer.
-  static constexpr int group_first_unit(CopyGroup group) {
-    return group == kRopeGroup ? kRopeUnit : group == kVHighGroup ? kUnitsPerVHalf : 0;
-  }
-  static constexpr int group_units(CopyGroup group) { return group == kRopeGroup ? 1 : kUnitsPerVHalf; }
+  // Which warpgroup refills a segment of a buffer (mainloop.h): the one whose work reads it last.
+  //   V columns [0, 256)   (segments 0-3): read last by kPageA's P V of both pages;
+  //   V columns [256, 512) (segments 4-7): read last by kPageB's P V of both pages;
+  //   RoPE columns (segment 8): read only by S, i.e. by the warpgroup that computes S for that buffer.
 
   using BlockM = cute::Int<kBlockM>;
   using BlockN = cute::Int<kBlockN>;
@@ -136,9 +127,6 @@ struct SplitKvTraits {
     // Completion of each copy unit of each page buffer (TMA transaction bytes) and of the Q tile (cp.async
     // arrivals of the 128 threads that copy it).
     alignas(8) uint64_t unit_full[kStages][kUnits];
-    // Paired row tiles (a cluster of two CTAs sharing every page copy, mainloop.h refill): in the leader CTA, how
-    // many releases of each copy group of each buffer the two CTAs made (the second of a pair issues the copy).
-    uint32_t group_releases[kStages][kNumCopyGroups];
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];

@@ -17,33 +17,6 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
 }
 
-// ------------------------------------------- clusters ------------------------------------------------------
-// (The non-.aligned forms throughout: callers may be unconverged, and synccheck reports .aligned forms there.)
-
-// Atomically adds `value` to the 32-bit word at `local_word`'s place in the shared memory of CTA `cta` of the
-// cluster and returns the word's earlier value (acquire + release at cluster scope: the accesses of every CTA
-// that added before are ordered before this thread's later ones).
-__device__ __forceinline__ uint32_t atomic_add_on_cta(const uint32_t* local_word, uint32_t cta, uint32_t value) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(local_word));
-  uint32_t earlier;
-  asm volatile(
-      "{\n"
-      "  .reg .b32 remote;\n"
-      "  mapa.shared::cluster.u32 remote, %1, %2;\n"
-      "  atom.acq_rel.cluster.shared::cluster.add.u32 %0, [remote], %3;\n"
-      "}\n"
-      : "=r"(earlier)
-      : "r"(addr), "r"(cta), "r"(value)
-      : "memory");
-  return earlier;
-}
-
-// Every thread of every CTA of the cluster arrives, then waits for all (barrier.cluster, release / acquire).
-__device__ __forceinline__ void cluster_sync_all() {
-  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
-}
-
 // 16 e4m3 values (bytes 0..15) -> 16 fp16 values, 0..7 in `lo` and 8..15 in `hi`. Exact: every e4m3 value
 // (subnormals, +-448, NaN) is an fp16 value.
 __device__ __forceinline__ void widen_e4m3x16(const uint4& in, uint4& lo, uint4& hi) {
