@@ -1,11 +1,15 @@
-"""CPU model check of the paired row tiles' page-copy protocol (csrc/kernels/mainloop.h, splitkv_kernel.h).
+"""CPU model check of the paired row tiles' page-copy protocol (split kernel: mainloop.h, splitkv_kernel.h).
 
-Two CTAs of a cluster (rank 0 the leader, rank 1 the follower) walk the same pages. Each has two warpgroups
-(kPageA, kPageB) and two page buffers (page k of a piece in buffer k % 2); a buffer's units form three copy
-groups (VLow, VHigh, Rope), each unit with its `unit_full` transaction mbarrier, and the leader holds a
-`group_free[stage][group]` mbarrier of count 2. The last reader of a group refills it (`refill`): it arms the
-group's units in its own CTA; the follower then arrives on the leader's group_free and goes on; the leader
-arrives, waits for the phase of the page just released and issues a multicast copy into both CTAs.
+Paired row tiles: two CTAs of a cluster (rank 0 the leader, rank 1 the follower) walk the same pages and share
+every page copy by TMA multicast. Each CTA has two warpgroups (kPageA, kPageB) and two page buffers (page k of
+a piece in buffer k % 2); a buffer's units form three copy groups (VLow, VHigh, Rope), each unit with its
+`unit_full` transaction mbarrier. The last reader of a group refills it (`refill`): it arms the group's units in
+its own CTA, then releases the group to the pair, and one CTA issues the copy into both. Two forms of the
+release are modelled (the experiment of commit 39f5906, reverted by d65e45b; mainloop.h is unpaired now):
+  * "leader_waits": the leader holds `group_free[stage][group]`, an mbarrier of count 2; the follower arrives
+    on it and goes on; the leader arrives, waits for the phase of the page just released, then issues;
+  * "second_issues" (the form committed): both CTAs add 1 to the leader's `group_releases[stage][group]` (an
+    acq_rel DSMEM atomic); the one that finds an odd count (the second releaser) issues, nobody waits.
 
 Modelled, step by step as in the source: the kernel shell (arm_first_pages, the cluster syncs), the prologue's
 first copies, attend_piece's two warpgroup programs per pair (compute_s unit by unit in refill order, the
@@ -30,7 +34,8 @@ Properties, over random interleavings of several page walks:
   1. no deadlock: every program finishes (all blocked with nothing in flight fails, listing the waits);
   2. no overwrite: a copy is issued or lands into a CTA's buffer group only after every warpgroup of that CTA
      that reads the group released its previous page (and no warpgroup releases a group that a WGMMA it has
-     not retired still reads, nor reads a page it released);
+     not retired still reads, nor reads a page it released, nor writes a unit (tail zeroing, fp8 widening)
+     that a WGMMA of the other warpgroup still reads);
   3. no stale read: every read (S, P V, tail zeroing, Q, the mailbox) sees the page / piece / pair it expects,
      at issue and when its WGMMA retires;
   4. no phase aliasing: a parity wait passes only with its barrier exactly one phase past the one waited for,
@@ -171,14 +176,15 @@ class Cta:
         self.released = [[[0, 0] for _ in range(3)] for _ in (0, 1)]    # pages of each group each wg released
         self.wgmma = ([], [])                               # per warpgroup: WGMMA batches not yet retired
         self.widened = {}                                   # kQWidened arrivals per piece
+        self.group_releases = [[0] * 3 for _ in (0, 1)]     # "second_issues": releases counted by the atomic
 
 
 class PairModel:
     """One SM part's pieces (`pieces`: page counts) walked by a cluster of two CTAs, under one interleaving."""
 
-    def __init__(self, pieces, seed, mutation=None):
+    def __init__(self, pieces, seed, mutation=None, protocol="leader_waits"):
         self.pieces = list(pieces)
-        self.mutation = mutation
+        self.mutation, self.protocol = mutation, protocol
         rng = self.rng = random.Random(seed)
         self.layout = FP8_LAYOUT if rng.random() < 0.5 else BF16_LAYOUT
         self.rendezvous = self.layout is FP8_LAYOUT and rng.random() < 0.7     # widen_q's kQWidened sync
@@ -296,6 +302,15 @@ class PairModel:
         if page is None:                                    # !block.valid: nothing left for this buffer
             return
         leader = cta.rank == LEADER
+        if self.protocol == "second_issues":
+            self.arm(cta, stage, group)
+            counts = self.ctas[LEADER].group_releases[stage]
+            earlier = counts[group]                         # atomic_add_on_cta(group_releases, kLeaderRank, 1)
+            counts[group] += 1
+            yield
+            if earlier % 2 == (0 if self.mutation == "first_releaser_issues" else 1):
+                yield from self.issue(stage, group, page)
+            return
         free = self.ctas[LEADER].group_free[stage][group]
         if self.mutation == "per_unit_release":             # release and wait unit by unit
             for unit in self.layout.group_units[group]:
@@ -564,13 +579,13 @@ SHAPES = [[1], [2], [3], [4], [5], [8], [0, 0], [1, 1, 1], [3, 0, 2, 1, 5], [0, 
 RUNS = 1500
 
 
-def explore(pieces, runs, seed, mutation=None, kind=None):
+def explore(pieces, runs, seed, mutation=None, kind=None, protocol="leader_waits"):
     """Runs up to `runs` random interleavings: the first violation (of kind `kind`, if given), or None; and how
     many violations of each kind were seen on the way."""
     seen = {}
     for run in range(runs):
         try:
-            PairModel(pieces, seed * 1_000_003 + run, mutation).run()
+            PairModel(pieces, seed * 1_000_003 + run, mutation, protocol).run()
         except Violation as violation:
             seen[violation.kind] = seen.get(violation.kind, 0) + 1
             if kind is None or violation.kind == kind:
@@ -583,6 +598,19 @@ def explore(pieces, runs, seed, mutation=None, kind=None):
 def test_protocol_holds(pieces):
     violation, _ = explore(pieces, RUNS, seed=sum(pieces) * 131 + len(pieces))
     assert violation is None, f"pieces {pieces}, run {violation.run}: {violation}"
+
+
+@pytest.mark.parametrize("pieces", [[3], [8], [1, 1, 1], [3, 0, 2, 1, 5]], ids=lambda p: "-".join(map(str, p)))
+def test_second_releaser_form_holds(pieces):
+    violation, _ = explore(pieces, RUNS // 4, seed=sum(pieces) * 137 + len(pieces), protocol="second_issues")
+    assert violation is None, f"pieces {pieces}, run {violation.run}: {violation}"
+
+
+def test_first_releaser_issuing_is_caught():
+    """The atomic's parity flipped: the first CTA to release issues, before the other CTA is done reading."""
+    violation, seen = explore([4], 500, seed=7, mutation="first_releaser_issues", kind="overwrite",
+                              protocol="second_issues")
+    assert violation is not None, f"no overwrite in 500 interleavings (others: {seen})"
 
 
 @pytest.mark.parametrize("mutation,pieces,kind", [
