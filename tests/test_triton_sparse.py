@@ -46,8 +46,8 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installe
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 runs_here = pytest.mark.skipif(
     not HAS_TRITON or not INTERPRETER_HERE,
-    reason="triton missing, or imported before TRITON_INTERPRET was set (test_subprocess_runs_interpreter_tests "
-           "runs these cases in a fresh interpreter)")
+    reason="CPU-only interpreter test (needs triton; when triton was imported before TRITON_INTERPRET was set, "
+           "test_subprocess_runs_interpreter_tests runs it)")
 
 
 @pytest.fixture(scope="module")
