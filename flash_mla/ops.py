@@ -142,7 +142,7 @@ def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
                        is_fp8_kvcache=None, fn="flash_mla_with_kvcache"):
     """flash_mla_with_kvcache (or flash_mla_with_kvcache_fp8, `fn`) while torch.compile traces: validate shapes,
     dtypes, devices and strides (traced), then call the op (whose real implementation checks pointer alignment and,
-    in debug mode, the values)."""
+    for CPU tensors or in debug mode, the values)."""
     _validation.check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                   num_splits, softmax_scale, causal, attn_sink=attn_sink, pointers=False,
                                   descale_q=descale_q, descale_k=descale_k, is_fp8_kvcache=is_fp8_kvcache, fn=fn)
