@@ -4,7 +4,8 @@
 #   scripts/sanitize.sh [TOOL ...]        TOOL: memcheck racecheck synccheck initcheck (default: all four)
 #
 #   memcheck   tests/sanitizer_driver.py padded: padded batches (L = 0 rows, block tables of -1 / garbage, NaN q),
-#              ragged lengths, split plans; cuda and triton backends; all kernels checked; caching allocator off
+#              ragged lengths, split plans; cuda and triton backends (triton also sparse FP8 decoding); all kernels
+#              checked; caching allocator off
 #              (PYTORCH_NO_CUDA_MEMORY_CACHING=1) and 256 bytes of padding after every allocation, so a read
 #              past any tensor is out of bounds
 #   racecheck  tests/sanitizer_driver.py small (b = 2, L ~ 200, h_q 16/128, s_q 1/2; b = 1 in 43-64 pieces),

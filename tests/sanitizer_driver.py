@@ -10,6 +10,8 @@ the last sequence ends exactly at the end of the cache allocation (run with PYTO
 every tensor is then its own cudaMalloc, and any read past a tensor is outside an allocation).
 `small`: b = 2, L ~ 200, h_q in {16, 128}, s_q in {1, 2}: cheap enough for racecheck.
 Both end with b = 1 cut into 43-64 pieces (the combine's CTA items at each of their widths).
+`padded` on the triton backend also runs sparse FP8 decoding (indices over 656-byte tokens, the cache's last token
+indexed so that a read past its end leaves the allocation).
 Both include cases with an attention sink (attn_sink), applied in the split kernel's epilogue for whole sequences
 and in the combine kernel for cut ones, and FP8 caches (e4m3 and bf16 q; NaN / +-448 codes past every sequence's
 end) for the fp8 kernel and its in-place widening.
@@ -118,6 +120,46 @@ def fp8_cases(backend, seqlens):
         yield case(name, seqlens, s_q, h_q, num_sms=num_sms, fp8_q=q_dtype, seed=30 + i)
 
 
+def run_sparse_case(name, s_q, h_q, topk, num_blocks, backend, num_sms=None, seed=0, sink=False):
+    """Sparse FP8 decoding (656-byte tokens): ragged topk_length (0 included), -1 slots interleaved and a row of
+    only -1, repeated indices, and the cache's last token indexed, whose bytes end exactly at the end of the
+    cache allocation (a read past it is out of bounds under memcheck)."""
+    from flash_mla import flash_mla_with_kvcache, get_mla_metadata, quantize_kv_cache_v32, sparse_decode_reference
+    from flash_mla.testing import make_attn_sink
+
+    g = torch.Generator().manual_seed(seed)
+    b, tokens = 3, num_blocks * 64
+    k_cache = quantize_kv_cache_v32((torch.randn(num_blocks, 64, 1, 576, generator=g) / 4).clamp(-1, 1)).cuda()
+    indices = torch.randint(0, tokens, (b, s_q, topk), generator=g, dtype=torch.int32)
+    indices[0, :, ::3] = -1                          # interleaved unused slots
+    indices[1, 0, :] = -1                            # a query token with no valid index
+    indices[2, :, 0] = tokens - 1                    # the last token of the cache
+    indices[2, :, 1] = tokens - 1                    # ... twice
+    topk_length = torch.tensor([topk, topk - 5, 0 if topk > 1 else 1], dtype=torch.int32)
+    q = torch.randn(b, s_q, h_q, 576, generator=g).to(torch.bfloat16)
+    attn_sink = make_attn_sink(h_q, torch.Generator().manual_seed(seed), device="cpu") if sink else None
+    schedule, _ = get_mla_metadata(num_sms=num_sms) if num_sms else get_mla_metadata()
+    out, lse = flash_mla_with_kvcache(q.cuda(), k_cache, None, None, 512, schedule, None, is_fp8_kvcache=True,
+                                      indices=indices.cuda(), topk_length=topk_length.cuda(),
+                                      attn_sink=None if attn_sink is None else attn_sink.cuda(), backend=backend)
+    torch.cuda.synchronize()
+    ref_out, ref_lse = sparse_decode_reference(q, k_cache.cpu(), indices, topk_length, attn_sink=attn_sink)
+    out, lse = out.float().cpu(), lse.cpu()
+    no_key = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), no_key), f"{name}: rows with no valid index"
+    assert torch.isfinite(out).all(), f"{name}: non-finite output"
+    err = ((out - ref_out).norm() / ref_out.norm().clamp_min(1e-20)).item()
+    assert err < 1e-2, f"{name}: out rel-L2 {err:.1e}"
+    print(f"ok  {name:<76} out_err={err:.1e}", flush=True)
+
+
+def sparse_cases(backend):
+    for i, (s_q, h_q, topk, num_sms, sink) in enumerate([(1, 64, 200, None, False), (2, 128, 130, 8, True),
+                                                         (2, 16, 64, 1, False)]):
+        yield (f"{backend} sparse s_q={s_q} h_q={h_q} topk={topk} num_sms={num_sms} sink={sink}",
+               dict(s_q=s_q, h_q=h_q, topk=topk, num_blocks=5 + i, num_sms=num_sms, seed=40 + i, sink=sink))
+
+
 def long_cases(backend):
     # b = 1 cut into 64 / 64 / 43 pieces: the combine's CTA items, 64 / 128 / 256 columns wide at h_q 16 / 64 / 128
     # (tests/test_flash_mla.py cta_item_cols); a partial last page.
@@ -143,6 +185,9 @@ def main() -> int:
         cases = padded_cases(backend) if args.workload == "padded" else small_cases(backend)
         for name, seqlens, s_q, h_q, options in cases:
             run_case(name, seqlens, s_q, h_q, backend, **options)
+        if backend == "triton" and args.workload == "padded":    # sparse decoding runs on triton only
+            for name, options in sparse_cases(backend):
+                run_sparse_case(name, backend=backend, **options)
     print("DRIVER OK")
     return 0
 
