@@ -15,8 +15,8 @@ import math
 
 import torch
 
-from ._geometry import HEAD_DIM_QK, HEAD_DIM_V, METADATA_WIDTH
-from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker
+from ._geometry import HEAD_DIM_V, METADATA_WIDTH
+from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker, check_q
 from .scheduler import schedule
 from .sparse_fp8 import CACHE_DTYPES, TOKEN_BYTES, num_cache_tokens
 
@@ -32,14 +32,9 @@ def check_sparse_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v,
     torch.compile); `planned_here=True` skips the plan (a lazy schedule's first call plans after these checks).
     block_table and cache_seqlens are not used by sparse decoding: None or any tensor."""
     c = _Checker(fn)
-    c.tensor("q", q)
-    c.rank("q", q, 4, "(batch_size, seqlen_q, num_heads_q, 576)")
-    c.dtype("q", q, SUPPORTED_DTYPES)
+    check_q(c, q, SUPPORTED_DTYPES, "(batch_size, seqlen_q, num_heads_q, 576)", "head_dim: 512 latent + 64 RoPE",
+            pointers)
     b, s_q, h_q, _ = q.shape
-    if b == 0 or s_q == 0 or h_q == 0:
-        c.fail(ValueError, "q", "batch_size, seqlen_q and num_heads_q >= 1", f"shape {tuple(q.shape)}")
-    c.dim("q", q, 3, HEAD_DIM_QK, "head_dim: 512 latent + 64 RoPE")
-    c.vector_strides("q", q, pointers)
 
     if is_fp8_kvcache is not True:
         c.fail(TypeError, "is_fp8_kvcache", "True with indices (sparse decoding reads the 656-byte FP8 cache of "

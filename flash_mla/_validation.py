@@ -221,19 +221,25 @@ def _check_descale(c: _Checker, arg: str, t, wanted: bool, why: str, device: tor
     c.device(arg, t, device)
 
 
+def check_q(c: _Checker, q, dtypes, shape_doc: str, head_dim_doc: str, pointers: bool) -> None:
+    """q of every decode call (dense and sparse): a 4-D tensor of `dtypes` with no empty dimension and a last
+    dimension of 576, vector strides (and, with `pointers`, a 16-byte aligned data pointer)."""
+    c.tensor("q", q)
+    c.rank("q", q, 4, shape_doc)
+    c.dtype("q", q, dtypes)
+    if 0 in q.shape[:3]:
+        c.fail(ValueError, "q", "batch_size, seqlen_q and num_heads_q >= 1", f"shape {tuple(q.shape)}")
+    c.dim("q", q, 3, HEAD_DIM_QK, head_dim_doc)
+    c.vector_strides("q", q, pointers)
+
+
 def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                        softmax_scale: float | None, causal, attn_sink, pointers: bool, planned_here: bool,
                        descale_q=None, descale_k=None, is_fp8_kvcache=None,
                        fn: str = "flash_mla_with_kvcache") -> None:
     c = _Checker(fn)
-    c.tensor("q", q)
-    c.rank("q", q, 4, "(batch_size, seqlen_q, num_heads_q, head_dim)")
-    c.dtype("q", q, Q_DTYPES)
-    b, s_q, h_q, d = q.shape
-    if b == 0 or s_q == 0 or h_q == 0:
-        c.fail(ValueError, "q", "batch_size, seqlen_q and num_heads_q >= 1", f"shape {tuple(q.shape)}")
-    c.dim("q", q, 3, HEAD_DIM_QK, "head_dim")
-    c.vector_strides("q", q, pointers)
+    check_q(c, q, Q_DTYPES, "(batch_size, seqlen_q, num_heads_q, head_dim)", "head_dim", pointers)
+    b, _, h_q, d = q.shape
 
     c.tensor("k_cache", k_cache)
     c.rank("k_cache", k_cache, 4, "(num_blocks, page_block_size, num_heads_k, head_dim)")
