@@ -11,12 +11,11 @@ CPU tensors and, for CUDA tensors, only in debug mode (FLASH_MLA_DEBUG=1), as do
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
 from ._geometry import HEAD_DIM_V, METADATA_WIDTH
-from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker, check_q
+from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker, check_q, check_scale_causal_sink
 from .scheduler import schedule
 from .sparse_fp8 import CACHE_DTYPES, TOKEN_BYTES, num_cache_tokens
 
@@ -81,23 +80,10 @@ def check_sparse_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v,
         c.fail(ValueError, "head_dim_v", f"{HEAD_DIM_V}", head_dim_v)
     if not planned_here:
         _check_plan(c, tile_scheduler_metadata, num_splits, q.device, b)
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            c.fail(TypeError, "softmax_scale", "a float or None", type(softmax_scale).__name__)
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            c.fail(ValueError, "softmax_scale", "a finite positive float", softmax_scale)
-    if not isinstance(causal, bool):
-        c.fail(TypeError, "causal", "a bool", type(causal).__name__)
+    check_scale_causal_sink(c, softmax_scale, causal, attn_sink, h_q, q.device)
     if causal:
         c.fail(ValueError, "causal", "False with indices (each query row attends to exactly its indexed tokens)",
                causal)
-
-    if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink)
-        c.dtype("attn_sink", attn_sink, torch.float32)
-        c.rank("attn_sink", attn_sink, 1, "(num_heads_q,), one sink logit per query head")
-        c.device("attn_sink", attn_sink, q.device)
-        c.dim("attn_sink", attn_sink, 0, h_q, "num_heads_q, equal to q's")
 
 
 def check_sparse_metadata_args(num_heads_k, topk) -> None:

@@ -233,6 +233,24 @@ def check_q(c: _Checker, q, dtypes, shape_doc: str, head_dim_doc: str, pointers:
     c.vector_strides("q", q, pointers)
 
 
+def check_scale_causal_sink(c: _Checker, softmax_scale, causal, attn_sink, h_q: int, device: torch.device) -> None:
+    """softmax_scale (None or a finite positive float), causal (a bool) and attn_sink (None or (h_q,) float32 on q's
+    device) of every decode call (dense and sparse)."""
+    if softmax_scale is not None:
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
+            c.fail(TypeError, "softmax_scale", "a float or None", type(softmax_scale).__name__)
+        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
+            c.fail(ValueError, "softmax_scale", "a finite positive float", softmax_scale)
+    if not isinstance(causal, bool):
+        c.fail(TypeError, "causal", "a bool", type(causal).__name__)
+    if attn_sink is not None:
+        c.tensor("attn_sink", attn_sink)
+        c.dtype("attn_sink", attn_sink, torch.float32)
+        c.rank("attn_sink", attn_sink, 1, "(num_heads_q,), one sink logit per query head")
+        c.device("attn_sink", attn_sink, device)
+        c.dim("attn_sink", attn_sink, 0, h_q, "num_heads_q, equal to q's")
+
+
 def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,
                        softmax_scale: float | None, causal, attn_sink, pointers: bool, planned_here: bool,
                        descale_q=None, descale_k=None, is_fp8_kvcache=None,
@@ -276,20 +294,7 @@ def _check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_
     if not planned_here:
         _check_plan(c, tile_scheduler_metadata, num_splits, q.device, b)
 
-    if softmax_scale is not None:
-        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float)):
-            c.fail(TypeError, "softmax_scale", "a float or None", type(softmax_scale).__name__)
-        if not math.isfinite(softmax_scale) or softmax_scale <= 0:
-            c.fail(ValueError, "softmax_scale", "a finite positive float", softmax_scale)
-    if not isinstance(causal, bool):
-        c.fail(TypeError, "causal", "a bool", type(causal).__name__)
-
-    if attn_sink is not None:
-        c.tensor("attn_sink", attn_sink)
-        c.dtype("attn_sink", attn_sink, torch.float32)
-        c.rank("attn_sink", attn_sink, 1, "(num_heads_q,), one sink logit per query head")
-        c.device("attn_sink", attn_sink, q.device)
-        c.dim("attn_sink", attn_sink, 0, h_q, "num_heads_q, equal to q's")
+    check_scale_causal_sink(c, softmax_scale, causal, attn_sink, h_q, q.device)
 
     fp8_cache = k_cache.dtype == FP8_DTYPE
     _check_descale(c, "descale_k", descale_k, fp8_cache,
