@@ -33,6 +33,14 @@ METRICS = {
                                        1.0),
     "grid size (CTAs)": ("launch__grid_size", 1.0),
 }
+# `--stalls`: the other stall reasons of the same family, per issued instruction (where the split kernel's warps
+# wait besides WGMMA and mbarriers: instruction fetch, fixed-latency dependencies, pipe throttles).
+STALL_METRICS = {
+    f"stall {reason.replace('_', ' ')} / issued": (f"smsp__average_warps_issue_stalled_{reason}_per_issue_active.ratio",
+                                                   1.0)
+    for reason in ("no_instruction", "short_scoreboard", "math_pipe_throttle", "mio_throttle", "branch_resolving",
+                   "dispatch_stall", "selected", "not_selected")
+}
 
 
 def child(args):
@@ -58,7 +66,8 @@ def parent(args):
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu_row: ncu is not on PATH")
-    metrics = ",".join(m for m, _ in METRICS.values())
+    shown = {**METRICS, **STALL_METRICS} if args.stalls else METRICS
+    metrics = ",".join(m for m, _ in shown.values())
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
            "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
     res = subprocess.run(cmd, capture_output=True, text=True)
@@ -77,7 +86,7 @@ def parent(args):
           f"implementations in order: {args.impls}")
     print("| metric | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
-    for label, (metric, scale) in METRICS.items():
+    for label, (metric, scale) in shown.items():
         cells = []
         for r in rows:
             raw = r.get(metric, "").replace(",", "")
@@ -105,6 +114,7 @@ def main():
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=2)
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
+    ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     (child if args.child else parent)(args)
