@@ -196,6 +196,34 @@ def assert_close(metrics: Dict[str, float], dtype: torch.dtype, what: str = "") 
     assert metrics["cos_diff"] < COS_TOLERANCE, f"{what}: cosine difference {metrics}"
 
 
+SPARSE_OUT_TOL = 1e-2     # sparse decoding: relative L2 of out against the float32 reference on dequantised tokens
+SPARSE_LSE_TOL = 1e-3     # and absolute error of the finite lse entries
+
+
+def assert_sparse_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor, ref_lse: torch.Tensor,
+                        what: str = "") -> None:
+    """A sparse decoding result (out (b, s_q, h_q, 512), lse (b, h_q, s_q)) against sparse_decode_reference: out
+    finite, lse neither NaN nor +inf, -inf exactly where the reference has it (rows with no valid index) and out 0
+    there, the finite lse within SPARSE_LSE_TOL, out within SPARSE_OUT_TOL (all 0 when the reference is)."""
+    out, lse = out.detach().cpu().float(), lse.detach().cpu()
+    ref_out, ref_lse = ref_out.cpu().float(), ref_lse.cpu()
+    assert torch.isfinite(out).all(), f"{what}: non-finite output (unwritten, or a masked slot read)"
+    assert not torch.isnan(lse).any() and not torch.isposinf(lse).any(), f"{what}: NaN / +inf lse"
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), f"{what}: lse -inf pattern differs"
+    no_key = torch.isneginf(ref_lse).transpose(1, 2)                       # (b, s_q, h_q)
+    assert (out[no_key] == 0).all(), f"{what}: rows with no valid index must be 0"
+    finite = torch.isfinite(ref_lse)
+    if finite.any():
+        err = (lse[finite] - ref_lse[finite]).abs().max().item()
+        assert err < SPARSE_LSE_TOL, f"{what}: lse abs error {err:.2e}"
+    norm = ref_out.norm()
+    if norm > 0:
+        rel = ((out - ref_out).norm() / norm).item()
+        assert rel < SPARSE_OUT_TOL, f"{what}: out rel-L2 {rel:.2e}"
+    else:
+        assert (out == 0).all(), what
+
+
 def cuda_median_seconds(fn: Callable[[], object], reps: int = 15, calls_per_rep: int = 10, warmup: int = 3) -> float:
     """Median seconds per fn() call on the current CUDA stream. Each timed rep runs `calls_per_rep` calls back to
     back between one pair of events, so the GPU queue stays full and host-side overhead (Python validation,
