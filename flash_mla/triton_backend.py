@@ -432,14 +432,22 @@ def mla_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch
         S_FP8=q_fp8 and not _interpreted(), FP8_ACC_CHUNK=FP8_ACC_CHUNK,
         num_warps=SPLIT_NUM_WARPS[block_m], num_stages=SPLIT_NUM_STAGES_FP8 if kv_fp8 else SPLIT_NUM_STAGES,
     )
+    combine_pieces(out, lse, o_ws, lse_ws, num_splits, sink, group, has_sink=attn_sink is not None)
+    return out, lse
+
+
+def combine_pieces(out, lse, o_ws, lse_ws, num_splits, sink, heads_per_kv: int, has_sink: bool) -> None:
+    """Merge the fp32 partials of every split sequence (workspace (slots, h_kv, rows, D_V) and (slots, h_kv,
+    rows)) into out (b, s_q, h_q, D_V) and lse (b, h_q, s_q), applying the sink; row r of KV head k is query token
+    r // heads_per_kv, head k * heads_per_kv + r % heads_per_kv. Also the sparse backend's combine."""
+    b, h_kv, rows = out.shape[0], o_ws.shape[1], o_ws.shape[2]
     _combine_kernel[(b, h_kv, triton.cdiv(rows, COMBINE_BLOCK_M))](
         out, lse, o_ws, lse_ws, num_splits, sink,
         out.stride(0), out.stride(1), out.stride(2),
         lse.stride(0), lse.stride(1), lse.stride(2),
         o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
         lse_ws.stride(0), lse_ws.stride(1),
-        group, rows,
-        D_V=head_dim_v, BLOCK_M=COMBINE_BLOCK_M, HAS_SINK=attn_sink is not None,
+        heads_per_kv, rows,
+        D_V=o_ws.shape[3], BLOCK_M=COMBINE_BLOCK_M, HAS_SINK=has_sink,
         num_warps=COMBINE_NUM_WARPS,
     )
-    return out, lse

@@ -59,7 +59,6 @@ Importing this module never fails: without Triton, `unavailable_reason` says why
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -72,7 +71,7 @@ from .sparse_fp8 import LATENT_DIM, NUM_SCALES, ROPE_DIM, ROPE_OFFSET, SCALE_GRO
 triton = _dense.triton
 tl = _dense.tl
 
-LOG2E = math.log2(math.e)
+LOG2E = _dense.LOG2E
 
 # ---- tuning knobs ------------------------------------------------------------------------------------------
 # Measured on the H100 (Triton 3.6, b = 128, topk 2048, s_q 1, bf16 q; see the module docstring for the numbers).
@@ -88,8 +87,6 @@ MAX_BLOCK_M = 64
 SPLIT_NUM_WARPS = {16: 4, 32: 4, 64: 8}
 # Software-pipelining depth of the slot loop: 3 was 1-2% faster than 2, 1 was 15-20% slower.
 SPLIT_NUM_STAGES = 3
-COMBINE_BLOCK_M = 16
-COMBINE_NUM_WARPS = 4
 
 
 def unavailable_reason(device: torch.device) -> Optional[str]:
@@ -116,11 +113,10 @@ def _token_rows(k_cache: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
-    _LOG2E = tl.constexpr(LOG2E)
-    _TL_HALF = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+    _LOG2E = _dense._LOG2E
+    _TL_HALF = _dense._TL_HALF
     _loop_bound = _dense._loop_bound
     _sink_scale = _dense._sink_scale
-    _combine_kernel = _dense._combine_kernel
 
     @triton.jit
     def _round_bf16(x):
@@ -357,16 +353,7 @@ def sparse_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.
         Q_HALF=_TL_HALF[q.dtype], Q_BF16=q.dtype == torch.bfloat16, DOT_F32=_dense._interpreted(),
         num_warps=SPLIT_NUM_WARPS[block_m], num_stages=SPLIT_NUM_STAGES,
     )
-    _combine_kernel[(b, 1, triton.cdiv(rows, COMBINE_BLOCK_M))](
-        out, lse, o_ws, lse_ws, num_splits, sink,
-        out.stride(0), out.stride(1), out.stride(2),
-        lse.stride(0), lse.stride(1), lse.stride(2),
-        o_ws.stride(0), o_ws.stride(1), o_ws.stride(2),
-        lse_ws.stride(0), lse_ws.stride(1),
-        h_q, rows,
-        D_V=LATENT_DIM, BLOCK_M=COMBINE_BLOCK_M, HAS_SINK=attn_sink is not None,
-        num_warps=COMBINE_NUM_WARPS,
-    )
+    _dense.combine_pieces(out, lse, o_ws, lse_ws, num_splits, sink, h_q, has_sink=attn_sink is not None)
     return out, lse
 
 
