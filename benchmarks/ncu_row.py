@@ -4,6 +4,7 @@ Runs each implementation on the same inputs (the referee's workload: pages in ra
 outside the profiled range and one call inside it, then prints one column per kernel of each implementation:
 
     python benchmarks/ncu_row.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
+    python benchmarks/ncu_row.py --anchors .anchors --sparse --b 128 --topk 2048 --h-q 64 --s-q 1
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
@@ -48,16 +49,22 @@ def child(args):
     import torch
     sys.path.insert(0, os.path.abspath(args.anchors))
     import sxs
-    lens = [args.mean] * args.b
-    q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
-    impls = {"flash_mla": sxs.FlashMLA, "v1": sxs.AnchorV1, "head": sxs.AnchorHead}
+    if args.sparse:     # bt carries the indices, seqlens is unused
+        q, ks, bt = sxs.make_sparse_workload(args.b, args.s_q, args.h_q, args.topk, seed=1)
+        seqlens, causal = None, False
+        impls = {"flash_mla": sxs.FlashMLASparse, "head": sxs.AnchorHeadSparse}
+    else:
+        lens = [args.mean] * args.b
+        q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
+        causal = True
+        impls = {"flash_mla": sxs.FlashMLA, "v1": sxs.AnchorV1, "head": sxs.AnchorHead}
     for name in args.impls.split(","):
         impl = impls[name]()
-        plan = impl.plan(q, ks[0], bt, seqlens, True)
-        impl.decode(q, ks[0], bt, seqlens, plan, True)
+        plan = impl.plan(q, ks[0], bt, seqlens, causal)
+        impl.decode(q, ks[0], bt, seqlens, plan, causal)
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
-        impl.decode(q, ks[0], bt, seqlens, plan, True)
+        impl.decode(q, ks[0], bt, seqlens, plan, causal)
         torch.cuda.synchronize()
         torch.cuda.profiler.stop()
 
@@ -80,9 +87,11 @@ def parent(args):
     start = next(i for i, line in enumerate(lines) if line.startswith('"ID"'))
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     rows = [r for r in rows if r.get("ID", "").isdigit()]
-    cache_bytes = args.b * args.mean * 576 * 2
+    # the bytes the call must read: the cache (dense), or the tokens the indices name (sparse)
+    cache_bytes = args.b * args.s_q * args.topk * 656 if args.sparse else args.b * args.mean * 576 * 2
     names = [f"{r['ID']}:{r['Kernel Name'][:28]}" for r in rows]
-    print(f"# b = {args.b}, L = {args.mean}, h_q {args.h_q}, s_q {args.s_q}; cache {cache_bytes / 1e9:.3f} GB; "
+    shape = f"topk {args.topk} (sparse)" if args.sparse else f"L = {args.mean}"
+    print(f"# b = {args.b}, {shape}, h_q {args.h_q}, s_q {args.s_q}; cache {cache_bytes / 1e9:.3f} GB; "
           f"implementations in order: {args.impls}")
     print("| metric | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
@@ -113,6 +122,8 @@ def main():
     ap.add_argument("--mean", type=int, default=8192)
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=2)
+    ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding (the referee's --sparse workload)")
+    ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-// Torch binding of the Hopper kernels: flash_mla._cuda.{get_mla_metadata, mla_decode}.
+// Torch binding of the Hopper kernels: flash_mla._cuda.{get_mla_metadata, mla_decode, sparse_decode}.
 // The TORCH_CHECKs mirror flash_mla/_validation.py (which runs first); they guard direct callers of the
 // extension. Kernels launch on the current stream, workspace comes from the caching allocator, no host syncs.
 #include <ATen/cuda/CUDAContext.h>
@@ -189,6 +189,100 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   return {out, lse};
 }
 
+// Sparse FP8 decoding (DeepSeek-V3.2; SPEC.md "Sparse FP8 decoding", flash_mla/_sparse_validation.py runs first):
+// q (b, s_q, h_q, 576) bf16 with h_q a multiple of 64 (a row tile holds heads of one query token), k_cache
+// (num_blocks, page_block_size, 1, 656) uint8 or float8_e4m3fn, indices (b, s_q, topk) int32, topk_length None or
+// (b,) int32, the plan for lengths topk_length (or topk), s_q * h_q rows and one KV head. Index values are not
+// checked here (the Python layer does on CPU and in debug mode); on the device a slot outside [0, num_tokens)
+// counts as -1.
+std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& indices,
+                                      const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
+                                      const at::Tensor& num_splits, double softmax_scale,
+                                      const std::optional<at::Tensor>& attn_sink) {
+  constexpr int kTokenBytes = 656;
+  TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
+  const auto dev = q.device();
+  CHECK_DTYPE(q, at::kBFloat16);
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == kHeadDimQK, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
+  const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2);
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
+  TORCH_CHECK(num_heads_q % kRowsPerTile == 0, "q: the cuda sparse kernel needs num_heads_q a multiple of ", kRowsPerTile,
+              ", got ", num_heads_q);
+  check_rows_16_byte_aligned(q, "q");
+  CHECK_DEVICE(k_cache, dev);
+  TORCH_CHECK(k_cache.scalar_type() == at::kByte || k_cache.scalar_type() == at::kFloat8_e4m3fn,
+              "k_cache: expected dtype uint8 or float8_e4m3fn, got ", k_cache.scalar_type());
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == 1 && k_cache.size(3) == kTokenBytes && k_cache.size(0) >= 1 &&
+                  k_cache.size(1) >= 1,
+              "k_cache: expected (num_blocks, page_block_size, 1, 656), got ", k_cache.sizes());
+  CHECK_DEVICE(indices, dev); CHECK_DTYPE(indices, at::kInt);
+  TORCH_CHECK(indices.dim() == 3 && indices.size(0) == batch && indices.size(1) == seqlen_q && indices.size(2) >= 1,
+              "indices: expected (batch_size, seqlen_q, topk), got ", indices.sizes());
+  if (topk_length.has_value()) {
+    CHECK_DEVICE(*topk_length, dev); CHECK_DTYPE(*topk_length, at::kInt); CHECK_SHAPE(*topk_length, batch);
+  }
+  CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
+  TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
+              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
+  CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
+  if (attn_sink.has_value()) {
+    const at::Tensor& sink = *attn_sink;
+    CHECK_DEVICE(sink, dev); CHECK_DTYPE(sink, at::kFloat);
+    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
+                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
+  }
+
+  const c10::cuda::CUDAGuard guard(dev);
+  // Token t at byte 656 t: pages back to back (a copy otherwise), 16-byte aligned for the 16-byte gathers.
+  const int64_t page = k_cache.size(1);
+  at::Tensor tokens = k_cache.scalar_type() == at::kByte ? k_cache : k_cache.view(at::kByte);
+  const bool flat = tokens.stride(3) == 1 && (page == 1 || tokens.stride(1) == kTokenBytes) &&
+                    (tokens.size(0) == 1 || tokens.stride(0) == page * kTokenBytes);
+  if (!flat || reinterpret_cast<uintptr_t>(tokens.data_ptr()) % 16 != 0) tokens = tokens.contiguous();
+  const auto indices_c = indices.stride(2) == 1 ? indices : indices.contiguous();
+  const at::Tensor lengths_c = topk_length.has_value() ? topk_length->contiguous() : at::Tensor();
+  const auto num_splits_c = num_splits.contiguous();
+  const at::Tensor sink_c = attn_sink.has_value() ? attn_sink->contiguous() : at::Tensor();
+  const int num_sm_parts = metadata.size(0);
+  const int rows = seqlen_q * num_heads_q;
+
+  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options());
+  at::Tensor lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+  const int64_t slots = int64_t(batch) + num_sm_parts;
+  at::Tensor o_partial = at::empty({slots, 1, rows, kHeadDimV}, q.options().dtype(at::kFloat));
+  at::Tensor lse_partial = at::empty({slots, 1, rows}, q.options().dtype(at::kFloat));
+
+  DecodeParams p{};
+  p.batch = batch; p.seqlen_q = seqlen_q; p.num_heads_q = num_heads_q; p.num_heads_k = 1;
+  p.heads_per_kv = num_heads_q; p.rows_per_kv = rows;
+  p.num_row_tiles = rows / kRowsPerTile;
+  p.num_sm_parts = num_sm_parts;
+  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  p.causal = false;
+  p.q_format = kQAsMath;
+  p.out_bf16 = true;
+  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
+  p.k_cache = tokens.data_ptr();
+  p.num_tokens = tokens.size(0) * page;
+  p.indices = indices_c.data_ptr<int32_t>();
+  p.indices_batch_stride = indices_c.stride(0); p.indices_token_stride = indices_c.stride(1);
+  p.topk = indices.size(2);
+  p.seqlens = lengths_c.defined() ? lengths_c.data_ptr<int32_t>() : nullptr;
+  p.metadata = metadata.data_ptr<int32_t>();
+  p.num_splits = num_splits_c.data_ptr<int32_t>();
+  p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
+  p.attn_sink = sink_c.defined() ? sink_c.data_ptr<float>() : nullptr;
+  p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
+
+  void* stream = at::cuda::getCurrentCUDAStream().stream();
+  launch_mla_splitkv_sparse(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_mla_combine_bf16(p, stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return {out, lse};
+}
+
 }  // namespace
 }  // namespace flash_mla
 
@@ -202,4 +296,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),
         pybind11::arg("softmax_scale"), pybind11::arg("causal"), pybind11::arg("attn_sink") = pybind11::none(),
         pybind11::arg("descale_q") = pybind11::none(), pybind11::arg("descale_k") = pybind11::none());
+  m.def("sparse_decode", &flash_mla::sparse_decode, "Sparse FP8 (DeepSeek-V3.2) split-KV decoding + combine",
+        pybind11::arg("q"), pybind11::arg("k_cache"), pybind11::arg("indices"), pybind11::arg("topk_length"),
+        pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"), pybind11::arg("softmax_scale"),
+        pybind11::arg("attn_sink") = pybind11::none());
 }

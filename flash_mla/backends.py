@@ -17,9 +17,9 @@ compute capability 8.9+), "cpu" dequantises and computes. `_unavailable_reason(.
 cannot take them.
 
 Sparse FP8 decoding (flash_mla_with_kvcache(..., indices=...), flash_mla/sparse_fp8.py layout) has its own entry,
-`run_sparse_decode`, with the same rule minus "cuda" (there is no CUDA sparse kernel yet: forcing it raises
-RuntimeError): CPU tensors -> "cpu" (or "triton" in the interpreter when forced), CUDA tensors -> "triton"
-(flash_mla.triton_sparse).
+`run_sparse_decode`: CPU tensors -> "cpu" (or "triton" in the interpreter when forced); CUDA tensors -> "cuda"
+(csrc/kernels/sparse_gather.h) on Hopper for a bf16 q with h_q a multiple of 64, else "triton"
+(flash_mla.triton_sparse, which also takes fp16 q and any h_q).
 """
 from __future__ import annotations
 
@@ -185,22 +185,41 @@ def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor
 
 # ---- sparse FP8 decoding ---------------------------------------------------------------------------------------
 
-def select_sparse_backend(device: torch.device, requested: Optional[str] = None) -> str:
+def _sparse_cuda_reason(device: torch.device, q_dtype: Optional[torch.dtype], h_q: Optional[int]) -> Optional[str]:
+    """Why the CUDA sparse kernel cannot take a call (None: it can). It needs what "cuda" needs (Hopper, the
+    extension), a bf16 q and h_q a multiple of 64 (a 64-row tile holds heads of one query token)."""
+    reason = _unavailable_reason("cuda", device, fp8=True)
+    if reason is not None:
+        return reason
+    if q_dtype is not None and q_dtype != torch.bfloat16:
+        return f"the cuda sparse kernel needs a bfloat16 q, got {q_dtype} (the triton backend takes float16)"
+    if h_q is not None and h_q % 64 != 0:
+        return f"the cuda sparse kernel needs num_heads_q a multiple of 64, got {h_q} (the triton backend takes any)"
+    return None
+
+
+def select_sparse_backend(device: torch.device, requested: Optional[str] = None,
+                          q_dtype: Optional[torch.dtype] = None, h_q: Optional[int] = None) -> str:
     """The backend of a sparse FP8 call on `device` (requested: the keyword, else $FLASH_MLA_BACKEND): "cpu" for
-    CPU tensors, "triton" for CUDA ones (and for CPU tensors in Triton's interpreter when forced); "cuda" has no
-    sparse kernel yet. RuntimeError when the requested (or only) candidate cannot run, saying why."""
+    CPU tensors; for CUDA ones "cuda" when its kernel takes the call (Hopper, bf16 q, h_q a multiple of 64), else
+    "triton" (and "triton" for CPU tensors in Triton's interpreter when forced). RuntimeError when the requested
+    (or only) candidate cannot run, saying why."""
     if requested is None:
         requested = os.environ.get(ENV_VAR) or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"flash_mla: backend: expected one of {BACKENDS} (keyword or ${ENV_VAR}), got {requested!r}")
-    if requested == "cuda":
-        raise RuntimeError("flash_mla: backend 'cuda' was requested but is unavailable: there is no CUDA kernel for "
-                           "sparse FP8 decoding (indices) yet; use 'triton' on a GPU or 'cpu' for CPU tensors")
     if requested is None:
         if device.type == "cpu":
             return "cpu"
         if device.type != "cuda":
             raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
+    cuda_reason = _sparse_cuda_reason(device, q_dtype, h_q)
+    if requested == "cuda":
+        if cuda_reason is not None:
+            raise RuntimeError(f"flash_mla: backend 'cuda' was requested but is unavailable: {cuda_reason}")
+        return "cuda"
+    if requested is None and cuda_reason is None:
+        return "cuda"
     name = requested or "triton"
     reason = _unavailable_reason(name, device, fp8=True)
     if reason is None and name == "triton":
@@ -212,8 +231,8 @@ def select_sparse_backend(device: torch.device, requested: Optional[str] = None)
     if reason is not None:
         if requested is not None:
             raise RuntimeError(f"flash_mla: backend {requested!r} was requested but is unavailable: {reason}")
-        raise RuntimeError(f"flash_mla: no backend can run sparse FP8 decoding on {device}: cuda: no CUDA sparse "
-                           f"kernel yet; triton: {reason}")
+        raise RuntimeError(f"flash_mla: no backend can run sparse FP8 decoding on {device}: cuda: {cuda_reason}; "
+                           f"triton: {reason}")
     return name
 
 
@@ -227,7 +246,10 @@ def run_sparse_decode(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Ten
     what they mean."""
     if _validation.debug_enabled():
         _sparse_validation.check_sparse_plan_values(indices, topk_length, tile_scheduler_metadata, num_splits)
-    name = select_sparse_backend(q.device, backend)
+    name = select_sparse_backend(q.device, backend, q.dtype, q.shape[2])
+    if name == "cuda":
+        return cuda_extension().sparse_decode(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,
+                                              softmax_scale, attn_sink)
     if name == "triton":
         from .triton_sparse import sparse_decode_triton
         return sparse_decode_triton(q, k_cache, indices, topk_length, tile_scheduler_metadata, num_splits,

@@ -29,7 +29,8 @@ plan is the dense scheduler's with num_heads_per_head_k = s_q * h_q and num_head
 topk_length and plans on full(topk) (torch.full_like(cache_seqlens, topk): on cache_seqlens' device, no host
 sync); a lazy schedule plans on its first call's topk_length (or full(topk)). Either plan gives the same answer: a
 piece is a range of slot numbers, clipped to topk_length by the backends (flash_mla/cpu_sparse.py). Backends: "cpu"
-for CPU tensors, "triton" for CUDA ones (flash_mla/backends.py, run_sparse_decode).
+for CPU tensors; on a GPU "cuda" (Hopper, bf16 q, h_q a multiple of 64), else "triton" (flash_mla/backends.py,
+run_sparse_decode).
 
 Eager calls go straight to the backend (validation + dispatch cost a few microseconds per call). While
 torch.compile traces a call, it goes through the torch.library ops of flash_mla.ops instead, so a decoding
@@ -254,8 +255,8 @@ def flash_mla_with_kvcache(q: torch.Tensor, k_cache: torch.Tensor, block_table: 
             no key keep out 0 (lse -inf); a sink of +inf gives out 0, -inf leaves out as without a sink.
         backend: keyword only; force "cuda", "triton" or "cpu" (default: environment variable FLASH_MLA_BACKEND,
             else automatic). "triton" runs CPU tensors in Triton's interpreter when TRITON_INTERPRET=1 was set
-            before triton was imported. FP8 calls never run on "cuda" (no CUDA fp8 kernel yet): automatic choice
-            takes "triton" on a GPU, and forcing "cuda" raises RuntimeError.
+            before triton was imported. FP8 calls take the same rule: "cuda" is the Hopper fp8 kernel, "triton"
+            needs compute capability 8.9+ (flash_mla/backends.py).
         descale_q, descale_k: keyword only; the FP8 scales, float32 tensors of shape (1,) on q's device with
             true value = stored value * descale: descale_k is required with an fp8 k_cache, descale_q with an fp8
             q, and both must be None otherwise (TypeError). flash_mla.quantize_kv_cache_fp8 / quantize_q_fp8
@@ -313,7 +314,7 @@ def flash_mla_with_kvcache_fp8(q: torch.Tensor, k_cache: torch.Tensor, block_tab
 
     Every rule of flash_mla_with_kvcache holds (empty sequences, causal masking, determinism, independence of
     the split layout, no host synchronisation, errors raised before any kernel runs). The backend is chosen
-    automatically (on a GPU: "triton", as there is no CUDA fp8 kernel yet) or by FLASH_MLA_BACKEND.
+    automatically (on a Hopper GPU "cuda", on other GPUs "triton") or by FLASH_MLA_BACKEND.
     """
     return _decode("flash_mla_with_kvcache_fp8", q, k_cache, block_table, cache_seqlens, head_dim_v,
                    tile_scheduler_metadata, num_splits, softmax_scale, causal, None, None, descale_q, descale_k,

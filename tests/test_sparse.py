@@ -37,7 +37,7 @@ from flash_mla import (  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin, num_sm_parts_for  # noqa: E402
 from flash_mla.sparse_fp8 import (  # noqa: E402
     NUM_SCALES, ROPE_OFFSET, SCALE_GROUP, SCALES_OFFSET, TOKEN_BYTES, valid_index_mask)
-from flash_mla.testing import assert_sparse_close, make_attn_sink  # noqa: E402
+from flash_mla.testing import assert_sparse_close, make_attn_sink, sparse_bf16_key_lse_bound  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON_SPARSE = os.path.exists(os.path.join(ROOT, "flash_mla", "triton_sparse.py"))
@@ -172,12 +172,16 @@ def reference(batch: SparseBatch, softmax_scale=None, attn_sink=None):
                                    None if attn_sink is None else attn_sink.cpu())
 
 
-def check(batch, out, lse, softmax_scale=None, attn_sink=None, what=""):
+def check(batch, out, lse, softmax_scale=None, attn_sink=None, what="", backend=None):
+    """`backend` "cuda": the kernel rounds the dequantised keys to bf16, so lse may also move by the rows' bound."""
     b, s_q, h_q, _ = batch.q.shape
     assert out.shape == (b, s_q, h_q, 512) and out.dtype == batch.q.dtype, what
     assert lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32, what
     ref_out, ref_lse = reference(batch, softmax_scale, attn_sink)
-    assert_sparse_close(out, lse, ref_out, ref_lse, what)
+    bound = None
+    if backend == "cuda":
+        bound = sparse_bf16_key_lse_bound(batch.q, batch.k_cache, batch.indices, batch.topk_length, softmax_scale)
+    assert_sparse_close(out, lse, ref_out, ref_lse, what, lse_bound=bound)
     return ref_out, ref_lse
 
 
@@ -374,11 +378,11 @@ def test_backend_routing(monkeypatch):
     batch = make_sparse_batch(b=2, s_q=1, h_q=16, topk=64, seed=14)
     cpu = run(batch, backend="cpu")
     assert all(torch.equal(x, y) for x, y in zip(cpu, run(batch)))
-    with pytest.raises(RuntimeError, match=r"'cuda' was requested but is unavailable: there is no CUDA kernel for "
-                                           r"sparse FP8 decoding"):
+    with pytest.raises(RuntimeError, match=r"'cuda' was requested but is unavailable: the cuda backend needs CUDA "
+                                           r"tensors, q is on cpu"):
         run(batch, backend="cuda")
     monkeypatch.setenv("FLASH_MLA_BACKEND", "cuda")
-    with pytest.raises(RuntimeError, match=r"no CUDA kernel for sparse"):
+    with pytest.raises(RuntimeError, match=r"the cuda backend needs CUDA tensors"):
         run(batch)
     monkeypatch.setenv("FLASH_MLA_BACKEND", "bogus")
     with pytest.raises(ValueError, match=r"backend: expected one of"):
@@ -705,45 +709,108 @@ def test_interpreter_split_independence(nan_empty):
     torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
 
 
-# ---- GPU: the triton backend on CUDA tensors -------------------------------------------------------------------
+# ---- GPU: the cuda (Hopper) and triton backends on CUDA tensors ----------------------------------------------
+
+def _is_hopper():
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and flash_mla.backends.cuda_extension() is not None
+
+
+GPU_BACKENDS = [pytest.param("cuda", marks=pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the "
+                                                                 "compiled extension")),
+                pytest.param("triton", marks=[needs_triton, needs_triton_sparse_file])]
+
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_triton_sparse
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("form", ["lazy", "classic"])
 @pytest.mark.parametrize("s_q", [1, 2])
 @pytest.mark.parametrize("h_q", [16, 64, 128])
-def test_gpu_matches_reference(h_q, s_q, form):
+def test_gpu_matches_reference(h_q, s_q, form, backend):
+    if backend == "cuda" and h_q % 64:
+        pytest.skip("the cuda sparse kernel takes h_q a multiple of 64 (the automatic choice routes h_q 16 to triton)")
     lengths = [0, 1, 63, 64, 65, 2048, 1000, 2048]
     def edit(indices):
         indices[1, 0] = -1
         indices[6, :, ::3] = -1
+        indices[7, :, 100:163] = -1          # a whole 64-slot page of -1 inside a row
     batch = make_sparse_batch(b=len(lengths), s_q=s_q, h_q=h_q, topk=2048, num_blocks=512, topk_length=lengths,
                               seed=40 + h_q + s_q, edit=edit, device="cuda")
     sink = make_attn_sink(h_q, torch.Generator().manual_seed(2), device="cuda")
     for attn_sink in (None, sink):
-        out, lse = run(batch, form, attn_sink=attn_sink)                  # automatic choice: triton
+        out, lse = run(batch, form, attn_sink=attn_sink, backend=backend)
         assert out.device.type == "cuda"
-        check(batch, out, lse, attn_sink=attn_sink, what=f"gpu h_q={h_q} s_q={s_q} {form}")
+        check(batch, out, lse, attn_sink=attn_sink, what=f"gpu {backend} h_q={h_q} s_q={s_q} {form}", backend=backend)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
+def test_gpu_automatic_choice():
+    from flash_mla.backends import select_sparse_backend
+    dev = torch.device("cuda")
+    assert select_sparse_backend(dev, None, torch.bfloat16, 64) == "cuda"
+    assert select_sparse_backend(dev, None, torch.bfloat16, 128) == "cuda"
+    assert select_sparse_backend(dev, None, torch.float16, 128) == "triton"
+    assert select_sparse_backend(dev, None, torch.bfloat16, 16) == "triton"
+    with pytest.raises(RuntimeError, match=r"'cuda' was requested but is unavailable: the cuda sparse kernel needs "
+                                           r"num_heads_q a multiple of 64, got 16"):
+        select_sparse_backend(dev, "cuda", torch.bfloat16, 16)
+    with pytest.raises(RuntimeError, match=r"needs a bfloat16 q"):
+        select_sparse_backend(dev, "cuda", torch.float16, 64)
 
 
 @pytest.mark.gpu
 @needs_cuda
-@needs_triton_sparse
-def test_gpu_split_independence_and_pages():
-    for page in (64,):
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_split_independence_and_pages(backend):
+    for page in (64, 128, 1):
         batch = make_sparse_batch(b=4, s_q=2, h_q=64, topk=512, num_blocks=8192 // page, page=page,
-                                  topk_length=[512, 3, 0, 300], seed=50, device="cuda")
-        results = [run(batch, "classic", num_sms=n) for n in (1, 7, H100_SMS)]
+                                  topk_length=[512, 3, 0, 300], seed=50 + page, device="cuda")
+        results = [run(batch, "classic", num_sms=n, backend=backend) for n in (1, 7, H100_SMS)]
         for out, lse in results:
-            check(batch, out, lse, what=f"gpu page {page}")
+            check(batch, out, lse, what=f"gpu {backend} page {page}", backend=backend)
         torch.testing.assert_close(results[0][1], results[2][1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
+def test_gpu_cuda_kernel_edge_cases():
+    """The Hopper kernel's gather and dequantisation: group scales from 2^-100 to 2^15 times the data's (the
+    kernel's 2^-60 offset), repeated indices, the cache's first and last tokens, a non-contiguous cache (a slice:
+    copied), lengths ending inside either page buffer, rows of only -1, and no topk_length."""
+    g = torch.Generator().manual_seed(70)
+    num_blocks, page = 40, 64
+    x = torch.randn(num_blocks, page, 1, 576, generator=g)
+    exponent = torch.tensor([-100.0, -20.0, 0.0, 15.0])[torch.randint(0, 4, (num_blocks, page, 1, NUM_SCALES),
+                                                                     generator=g)]
+    x[..., :512] *= (2.0 ** exponent).repeat_interleave(SCALE_GROUP, dim=-1)
+    k_cache = quantize_kv_cache_v32(x)
+    b, s_q, h_q, topk = 6, 2, 128, 700
+    tokens = num_blocks * page
+    indices = torch.randint(0, tokens, (b, s_q, topk), generator=g).int()
+    indices[0, :, :10] = 0
+    indices[0, :, 10:20] = tokens - 1
+    indices[1] = -1
+    indices[2, 1] = -1
+    q = torch.randn(b, s_q, h_q, 576, generator=g).bfloat16()
+    q[..., :512] *= 1e-3           # scores stay O(1) beside the 2^15 groups
+    for topk_length in ([700, 0, 129, 64, 65, 1], None):
+        tl = None if topk_length is None else torch.tensor(topk_length, dtype=torch.int32)
+        batch = SparseBatch(q, k_cache, indices, tl).to("cuda")
+        out, lse = run(batch, "classic", backend="cuda")
+        check(batch, out, lse, what=f"edge cases topk_length={topk_length}", backend="cuda")
+        sliced = torch.cat([batch.k_cache, batch.k_cache[:, :1]], dim=1)[:, :page]    # strided pages
+        assert not sliced.is_contiguous()
+        out2, lse2 = run(batch, "classic", backend="cuda", k_cache=sliced)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+        out3, lse3 = run(batch, "classic", backend="cuda")
+        assert torch.equal(out, out3) and torch.equal(lse, lse3)                 # deterministic
+
+
+@pytest.mark.gpu
 @needs_cuda
-@needs_triton_sparse
-def test_gpu_cuda_graph_replay_with_new_indices():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_cuda_graph_replay_with_new_indices(backend):
     """Captured once; each replay reads the q, indices and topk_length written in place (the classic plan for
     full(topk) serves any topk_length)."""
     first = make_sparse_batch(b=8, s_q=2, h_q=64, topk=256, num_blocks=64, topk_length=[256] * 8, seed=60,
@@ -753,7 +820,7 @@ def test_gpu_cuda_graph_replay_with_new_indices():
     md, ns = plan_classic(live)
 
     def step():
-        return run(live, plan=(md, ns))
+        return run(live, plan=(md, ns), backend=backend)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -772,9 +839,10 @@ def test_gpu_cuda_graph_replay_with_new_indices():
         indices.copy_(new.indices)
         topk_length.copy_(new.topk_length)
         out.fill_(math.nan)
+        lse.fill_(math.nan)
         graph.replay()
         torch.cuda.synchronize()
-        check(new, out, lse, what=f"replay {seed}")
+        check(new, out, lse, what=f"replay {backend} {seed}", backend=backend)
 
 
 # ---- the README's example --------------------------------------------------------------------------------------

@@ -48,6 +48,15 @@
 // (zero_tail_rows' job for a 16-bit cache), so each page buffer is only ever written by the warpgroup that
 // computes S on it. descale_q * descale_k scale the scores and descale_k the output
 // (SplitKvScales): each scale enters once.
+//
+// Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
+// tokens gathered by cp.async into the FP8 cache's unit layout by the warpgroup that refills each unit (the same
+// owners and moments as the TMA refills; every thread of that warpgroup copies and arrives, so the units'
+// mbarriers count 128), each thread using the index PieceRange looked up for its copy row at the top of the pair.
+// The warpgroup that computes S dequantises each latent unit to bf16 just before its WGMMAs (as the widening
+// above; the RoPE unit arrives as bf16) and masks the slots that hold no token (key_valid, written by its own
+// RoPE refill). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60 times
+// their values); the output takes the 2^60 back (SplitKvScales::out).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -59,6 +68,7 @@
 #include "named_barriers.h"
 #include "params.h"
 #include "softmax.h"
+#include "sparse_gather.h"
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -77,6 +87,8 @@ struct SplitKvMainloop {
   using Element = typename Traits::Element;
   using SharedStorage = typename Traits::SharedStorage;
   using Epilogue = SplitKvEpilogue<Traits>;
+  using Range = PieceRange<Traits::kSparse>;
+  using Gather = SparseGather<Traits>;
   using BlockM = typename Traits::BlockM;
   using BlockN = typename Traits::BlockN;
   using ColsPerWg = typename Traits::ColsPerWg;
@@ -127,8 +139,17 @@ struct SplitKvMainloop {
   // Copy units [first_unit, first_unit + num_units) of the page in cache block `block` into buffer `stage`: one
   // thread of the warpgroup arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy:
   // page_cache_hint). Nothing to do when no page is left for the buffer.
+  // Sparse cache: the whole warpgroup gathers the units (sparse_gather.h); the RoPE unit's refill records which
+  // slots hold a token in key_valid[stage][key_phase], key_phase being the phase bit the page will be waited with.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
-                                int first_unit, int num_units) {
+                                int first_unit, int num_units, uint32_t key_phase = 0) {
+    if constexpr (Traits::kSparse) {
+      if (block.valid) {
+        Gather::refill(p, reinterpret_cast<char*>(smem.k[stage].data()), smem.unit_full[stage],
+                       smem.key_valid[stage][key_phase], block.block, first_unit, num_units);
+      }
+      return;
+    }
     if (!block.valid || threadIdx.x % kWgThreads != 0) return;
     for (int u = 0; u < num_units; ++u) {
       const int unit = first_unit + u;
@@ -182,7 +203,14 @@ struct SplitKvMainloop {
   // The Q tile after q_full: an e4m3 q widens like a page (each warpgroup takes 32 rows), a bf16 q is rounded to
   // fp16 chunk by chunk (each thread rewrites the chunks it read); then both warpgroups wait for each other.
   // Every row's bytes are in place (rows past rows_per_kv are zeros). Nothing to do for an fp16 q.
+  // Sparse cache: Q's latent columns are multiplied by 2^60 instead (sparse_gather.h, dequantisation).
   __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
+    if constexpr (Traits::kSparse) {
+      Gather::scale_q_latent(reinterpret_cast<char*>(smem.q.data()), warpgroup);
+      cutlass::arch::fence_view_async_shared();
+      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
+                   : "memory");
+    }
     if constexpr (Traits::kFp8Cache) {
       if (p.q_format == kQAsMath) return;
       if (p.q_format == kQFp8) {
@@ -205,7 +233,8 @@ struct SplitKvMainloop {
   // NaN); S masks those keys, but P = 0 times NaN would still be NaN in O += P V. Only a piece's last page
   // can be partial; the segments must have landed and no WGMMA of the other warpgroup may still read them.
   __device__ static void zero_tail_rows(SharedStorage& smem, int stage, int warpgroup, int valid_rows) {
-    if (Traits::kFp8Cache || valid_rows >= kBlockN) return;    // an fp8 page's tail is zeroed as it is widened
+    // An fp8 page's tail is zeroed as it is widened, a sparse page's slots past the end are zero-filled copies.
+    if (Traits::kFp8Cache || Traits::kSparse || valid_rows >= kBlockN) return;
     constexpr int kChunksPerRow = kSegmentCols * int(sizeof(Element)) / 16;    // a row is 128 bytes
     const int tail_chunks = (kBlockN - valid_rows) * kChunksPerRow;           // per segment
     uint4* buffer = reinterpret_cast<uint4*>(smem.k[stage].data());
@@ -294,6 +323,14 @@ struct SplitKvMainloop {
         cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
         __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
         warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+      } else if constexpr (Traits::kSparse) {
+        if (unit != kRopeUnit) {
+          Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
+          cutlass::arch::fence_view_async_shared();
+          warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+        } else {
+          cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
+        }
       }
       warpgroup_arrive();
       CUTE_UNROLL
@@ -362,7 +399,7 @@ struct SplitKvMainloop {
   // Both warpgroups run this with their own role; the mailbox hand-offs keep them one pair apart at most.
   template <WarpgroupRole kRole>
   __device__ __forceinline__ static void attend_piece(const DecodeParams& p, const SplitKvScales& scales,
-                                                      SharedStorage& smem, const PieceRange& range,
+                                                      SharedStorage& smem, const Range& range,
                                                       const Piece& piece, int kv_head, int m_tile,
                                                       PipelinePhases& phases) {
     using namespace cute;
@@ -421,9 +458,10 @@ struct SplitKvMainloop {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
-        refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1);
+        refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
+        if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
         mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
         CUTE_UNROLL
         for (int r = 0; r < kRowsPerThread; ++r) {
@@ -477,7 +515,8 @@ struct SplitKvMainloop {
         float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
-          refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1);
+          refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
         }
 
@@ -548,25 +587,36 @@ struct SplitKvMainloop {
   // first and S_a, its softmax and P_a V_a run while page b is still arriving (alone, within noise on the H100;
   // measured together with the split kernel's PDL, docs/PERF.md "Split kernel"). Later refills are the
   // unit owners' (the mbarriers are per unit; who issues a copy does not matter to them).
+  // Sparse cache: each warpgroup gathers the first page of the buffer it computes S on (all its threads copy, and
+  // the RoPE refill's key_valid belongs to that warpgroup), kPageB after the Q tile.
   template <WarpgroupRole kRole>
-  __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const PieceRange& range, int kv_head,
+  __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const Range& range, int kv_head,
                                   int m_tile) {
-    if (kRole == WarpgroupRole::kPageB) {
+    if constexpr (Traits::kSparse) {
+      constexpr int kStage = static_cast<int>(kRole);
+      if (kRole == WarpgroupRole::kPageB) {
+        const int first_seq = range.next_seq_using(range.first_seq(), 0);
+        if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
+      }
+      const PageBlock block = range.first_block(kStage);
+      refill(p, smem, kStage, block, kv_head, kRopeUnit, 1, 0);
+      refill(p, smem, kStage, block, kv_head, 0, kRopeUnit);
+    } else if (kRole == WarpgroupRole::kPageB) {
       const int first_seq = range.next_seq_using(range.first_seq(), 0);
       if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
-      return;
-    }
-    CUTE_UNROLL
-    for (int stage = 0; stage < 2; ++stage) {
-      const PageBlock block = range.first_block(stage);
-      refill(p, smem, stage, block, kv_head, kRopeUnit, 1);
-      refill(p, smem, stage, block, kv_head, 0, kRopeUnit);
+    } else {
+      CUTE_UNROLL
+      for (int stage = 0; stage < 2; ++stage) {
+        const PageBlock block = range.first_block(stage);
+        refill(p, smem, stage, block, kv_head, kRopeUnit, 1);
+        refill(p, smem, stage, block, kv_head, 0, kRopeUnit);
+      }
     }
   }
 
   template <WarpgroupRole kRole>
   __device__ __forceinline__ static void run(const DecodeParams& p, const SplitKvScales& scales,
-                                             SharedStorage& smem, const PieceRange& range, int kv_head,
+                                             SharedStorage& smem, const Range& range, int kv_head,
                                              int m_tile) {
     prologue<kRole>(p, smem, range, kv_head, m_tile);
     PipelinePhases phases;

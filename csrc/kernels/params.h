@@ -72,6 +72,13 @@ struct DecodeParams {
   float* o_partial;              // (num_slots, num_heads_k, rows_per_kv, 512)
   float* lse_partial;            // (num_slots, num_heads_k, rows_per_kv)
 
+  // Sparse FP8 decoding (launch_mla_splitkv_sparse; nullptr indices otherwise): k_cache holds num_tokens 656-byte
+  // tokens back to back, token t at byte 656 t. seqlens is topk_length, or nullptr for topk slots in every row.
+  const int32_t* indices;        // (batch, seqlen_q, topk), last dimension contiguous
+  int64_t indices_batch_stride, indices_token_stride;
+  int topk;
+  int64_t num_tokens;
+
   // TMA descriptor (a CUtensorMap) of k_cache as (576, 64 tokens, num_heads_k, num_blocks), 64 x 64 boxes with
   // the 128-byte swizzle. Opaque bytes here (this header stays free of CUDA headers); the split kernel's
   // launcher fills it in, the binding leaves it alone.
@@ -83,6 +90,7 @@ void launch_mla_metadata(const MetadataParams& params, void* stream);
 void launch_mla_splitkv_bf16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream);     // e4m3 cache; q e4m3, bf16 or fp16
+void launch_mla_splitkv_sparse(const DecodeParams& params, void* stream);  // 656-byte token cache; bf16 q
 void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
 void launch_mla_combine_fp16(const DecodeParams& params, void* stream);
 

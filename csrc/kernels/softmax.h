@@ -68,6 +68,24 @@ __device__ __forceinline__ void mask_and_row_max(TensorS& S, const TensorC& tScS
   }
 }
 
+// Sparse decoding: keys whose index slot holds no token become -inf. key_valid: 4 words, word w bit 2 k set when
+// key 16 w + k holds one (splitkv_traits.h). Most pages have every slot filled and skip the per-element work.
+template <class TensorS, class TensorC>
+__device__ __forceinline__ void mask_empty_slots(TensorS& S, const TensorC& tScS, const uint32_t* key_valid) {
+  using namespace cute;
+  const uint4 words = *reinterpret_cast<const uint4*>(key_valid);
+  if ((words.x & words.y & words.z & words.w) == 0xffffffffu) return;
+  CUTE_UNROLL
+  for (int r = 0; r < kRowsPerThread; ++r) {
+    CUTE_UNROLL
+    for (int c = 0; c < size<1>(S); ++c) {
+      const int key = get<1>(tScS(r, c));
+      const uint32_t word = key < 32 ? (key < 16 ? words.x : words.y) : (key < 48 ? words.z : words.w);
+      if (((word >> (2 * (key % 16))) & 1u) == 0) S(r, c) = -INFINITY;
+    }
+  }
+}
+
 // S <- exp2(S * scale_log2 - base(new_max)) in place; returns this thread's part of each row's sum.
 template <class TensorS>
 __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[kRowsPerThread], float scale_log2,

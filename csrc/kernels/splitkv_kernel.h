@@ -31,16 +31,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   if (threadIdx.x == 0) {
+    // TMA: one arrival and the bytes; sparse gathers: one arrival per thread of the refilling warpgroup.
+    constexpr int kUnitArrivals = Traits::kSparse ? Traits::kWarpgroupThreads : 1;
     for (int stage = 0; stage < Traits::kStages; ++stage) {
       for (int unit = 0; unit < Traits::kUnits; ++unit) {
-        cutlass::arch::ClusterBarrier::init(&smem.unit_full[stage][unit], 1);    // TMA: one arrive + bytes
+        cutlass::arch::ClusterBarrier::init(&smem.unit_full[stage][unit], kUnitArrivals);
       }
     }
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
-    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
+    if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
   }
 
   // One-tile grids are launched as programmatic dependents of the kernel before them (launch_splitkv): everything
@@ -54,10 +56,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   // The descales are inputs too (maybe written by the kernel before this one): read after the wait.
   const float descale_k = params.descale_k != nullptr ? *params.descale_k : 1.f;
   const float descale_q = params.descale_q != nullptr ? *params.descale_q : 1.f;
-  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, descale_k};
+  // A sparse page is dequantised to 2^-60 times its values (sparse_gather.h): the output takes the 2^60 back.
+  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, Traits::kSparse ? kSparseKScale : descale_k};
 
   const int m_tile = blockIdx.x, kv_head = blockIdx.y;
-  const PieceRange range(params, blockIdx.z);
+  // Sparse: each thread copies one row of every page it gathers (sparse_gather.h); the range looks up its token.
+  const int copy_row = Traits::kSparse ? threadIdx.x % Traits::kWarpgroupThreads / 2 : 0;
+  const PieceRange<Traits::kSparse> range(params, blockIdx.z, m_tile, copy_row);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();
 
@@ -72,9 +77,11 @@ template <class Element, class CacheElement = Element>
 void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   using Traits = SplitKvTraits<Element, CacheElement>;
   DecodeParams params = binding_params;
-  encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
-                              : std::is_same_v<Element, cutlass::half_t> ? CacheDtype::kFp16
-                                                                           : CacheDtype::kBf16);
+  if constexpr (!Traits::kSparse) {    // sparse tokens are gathered by cp.async, not TMA
+    encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
+                                : std::is_same_v<Element, cutlass::half_t> ? CacheDtype::kFp16
+                                                                             : CacheDtype::kBf16);
+  }
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled

@@ -25,16 +25,26 @@ enum MailboxEvent : int {
   kPageBPosted = 1,    // P_b, m_b and l from kPageB (and its S_b is complete; it has read kPageA's slots)
 };
 
+// The "element" of a sparse FP8 cache (DeepSeek-V3.2): 656-byte tokens gathered by index (sparse_gather.h). One
+// byte, as an e4m3 latent value is: the page buffers use the FP8 cache's unit geometry.
+struct SparseFp8Token {
+  uint8_t byte;
+};
+
 // Element: the WGMMA operand type of Q, K, V and P (bf16 or fp16). CacheElement: the KV cache's element, the same
-// type, or e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
-// warpgroup that computes S on them; see mainloop.h "FP8 cache").
+// type, e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
+// warpgroup that computes S on them; see mainloop.h "FP8 cache"), or SparseFp8Token (gathered tokens, dequantised
+// to bf16 by that warpgroup; mainloop.h "Sparse FP8 cache").
 template <class Element_, class CacheElement_ = Element_>
 struct SplitKvTraits {
   using Element = Element_;
   using CacheElement = CacheElement_;
-  static constexpr bool kFp8Cache = sizeof(CacheElement) == 1;
+  static constexpr bool kSparse = std::is_same_v<CacheElement, SparseFp8Token>;
+  static constexpr bool kFp8Cache = sizeof(CacheElement) == 1 && !kSparse;
   static_assert(sizeof(Element) == 2 && (!kFp8Cache || std::is_same_v<Element, cutlass::half_t>),
                 "16-bit math; an e4m3 cache widens to fp16, which holds every e4m3 value exactly");
+  static_assert(!kSparse || std::is_same_v<Element, cutlass::bfloat16_t>,
+                "sparse decoding: bf16 q and RoPE as given, latent dequantised to bf16");
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
   static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
   static constexpr int kNumWarpgroups = 2;
@@ -130,6 +140,10 @@ struct SplitKvTraits {
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];
+    // Sparse cache: which slots of the page in buffer [stage] hold a token, for the page waited for with phase
+    // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE refill by the
+    // warpgroup that computes S on the buffer, read by it after that S.
+    alignas(16) uint32_t key_valid[kStages][2][4];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + the mailbox must fit in one SM's shared memory");

@@ -38,6 +38,8 @@ struct Piece {
 // is separate so that no block-table entry (even a bad one, which the TMA copy turns into zeros) means "none",
 // and the entry stays a plain 32-bit load whose latency hides behind the pair's work. `split`: the page belongs
 // to a split piece, whose result goes to the fp32 workspace (the page copies' L2 policy depends on it).
+// Sparse decoding: `block` is the index that this thread's copy row of the page holds (-1 past the piece's end);
+// the gather treats one outside [0, num_tokens) as none (a bad index is never dereferenced).
 struct PageBlock {
   int block;
   bool valid;
@@ -45,12 +47,18 @@ struct PageBlock {
 };
 constexpr PageBlock kNoBlock{0, false, false};
 
+// kSparse: a "sequence" is a batch row of sparse decoding, its keys the index slots of the row tile's query token
+// (SPEC.md "Sparse FP8 decoding"), and a page's block is the token of this thread's copy row (copy_row).
+template <bool kSparse = false>
 class PieceRange {
  public:
   // The pieces of SM part `part`. begin_seq == batch marks a part with no work; the clamps only guard
   // against foreign metadata.
-  FLASH_MLA_HOST_DEVICE PieceRange(const DecodeParams& p, int part)
-      : p_(p), meta_(p.metadata + part * kMetadataWidth) {
+  FLASH_MLA_HOST_DEVICE PieceRange(const DecodeParams& p, int part, int m_tile = 0, int copy_row = 0)
+      : p_(p), meta_(p.metadata + part * kMetadataWidth), copy_row_(copy_row) {
+    if (kSparse) {     // a row tile holds heads of one query token (heads_per_kv is a multiple of 64)
+      indices_ = p.indices + int64_t(m_tile) * kRowsPerTile / p.heads_per_kv * p.indices_token_stride;
+    }
     begin_seq_ = meta_[kBeginSeq];
     end_seq_ = meta_[kEndSeq];
     last_seq_ = (begin_seq_ < 0 || begin_seq_ >= p.batch) ? begin_seq_ - 1 : smaller(end_seq_, p.batch - 1);
@@ -62,7 +70,8 @@ class PieceRange {
   FLASH_MLA_HOST_DEVICE Piece piece(int seq) const {
     Piece piece;
     piece.seq = seq;
-    piece.length = p_.seqlens[seq];
+    // Sparse: topk_length (at most topk), or topk without it.
+    piece.length = kSparse ? (p_.seqlens != nullptr ? smaller(p_.seqlens[seq], p_.topk) : p_.topk) : p_.seqlens[seq];
     // The part's first and last pieces' bounds are re-read from the metadata row (L1-resident) rather than
     // kept in registers, which the mainloop needs more.
     piece.begin = seq == begin_seq_ ? meta_[kBeginToken] : 0;
@@ -90,26 +99,46 @@ class PieceRange {
   // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now).
   FLASH_MLA_HOST_DEVICE PageBlock next_block(const Piece& current, int page, int stage) const {
     if (page + 2 < current.num_pages()) {
-      return page_block(current.seq, current.begin / kPageBlockSize + page + 2, current.split);
+      return page_block(current.seq, current.begin / kPageBlockSize + page + 2, current.split, current.end);
     }
     return block_of(next_seq_using(current.seq + 1, stage), stage);
   }
 
  private:
-  FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq, bool split) const {
-    return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true, split};
+  // `end`: the end of seq's piece (sparse: slots at or past it name no token).
+  FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq, bool split, int end) const {
+    if (!kSparse) return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true, split};
+    const int slot = page_in_seq * kPageBlockSize + copy_row_;
+    // The raw index: the gather checks its range where it uses it, so that nothing waits for this load here.
+    const int token = slot < end ? load_early(&indices_[seq * p_.indices_batch_stride + slot]) : -1;
+    return PageBlock{token, true, split};
+  }
+
+  // A load issued where it is written: under register pressure the compiler would otherwise move a plain load
+  // down to its use (the page's refill), which then waits the full L2 latency (measured: the sparse kernel's
+  // warps stalled on it more than on anything else). A volatile asm keeps its place among the WGMMAs.
+  FLASH_MLA_HOST_DEVICE static int load_early(const int32_t* address) {
+#ifdef __CUDA_ARCH__
+    int value;
+    asm volatile("ld.global.nc.b32 %0, [%1];\n" : "=r"(value) : "l"(address));
+    return value;
+#else
+    return *address;
+#endif
   }
 
   // Page `page` of seq's piece.
   FLASH_MLA_HOST_DEVICE PageBlock block_of(int seq, int page) const {
     if (seq < 0) return kNoBlock;
     const Piece next = piece(seq);
-    return page_block(seq, next.begin / kPageBlockSize + page, next.split);
+    return page_block(seq, next.begin / kPageBlockSize + page, next.split, next.end);
   }
 
   const DecodeParams& p_;
   const int32_t* meta_;         // this part's metadata row
   int begin_seq_, end_seq_, last_seq_;
+  const int32_t* indices_ = nullptr;    // sparse: indices[0, query token of the row tile, :]
+  int copy_row_;
 };
 
 }  // namespace flash_mla

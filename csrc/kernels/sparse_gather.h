@@ -1,0 +1,197 @@
+// Sparse FP8 decoding (DeepSeek-V3.2, SPEC.md "Sparse FP8 decoding") in the split-KV kernel: gathering the
+// 656-byte tokens a page's index slots name, and dequantising them in shared memory.
+//
+// A "page" of a sparse row is 64 index slots; slot k of page j names cache token indices[seq, s, 64 j + k] (or
+// none: -1, past the piece's end, or outside [0, num_tokens)). A token is 512 e4m3 latent values, 4 float32 group
+// scales (one per 128 values: true value = stored * scale) and 64 bf16 RoPE values. Its bytes land in a page
+// buffer in the FP8 cache's unit layout (splitkv_traits.h): latent unit u (columns 128 u .. 128 u + 127, scale
+// group u) as 128 bytes per row at the start of segment 2 u, its scale in the first 4 bytes of the row's line in
+// segment 2 u + 1 (which the dequantisation overwrites last, see dequantize_unit), the RoPE unit straight into
+// segment 8 in its swizzled bf16 layout. Slots that name no token are zero-filled (latent, scale and RoPE): their
+// V rows are zero and S masks them through key_valid, so whatever the cache holds elsewhere never enters the result.
+//
+// Copies: cp.async, 16 bytes (4 for a scale), issued by the 128 threads of the warpgroup that refills the unit
+// (mainloop.h): thread t copies half t % 2 of row t / 2, whose index PieceRange looked up for it (copy_row). Each
+// thread arrives on the unit's mbarrier (count 128) once its copies of the unit have landed
+// (cp.async.mbarrier.arrive.noinc). The RoPE refill, issued by the warpgroup that computes S on the buffer, also
+// records which slots hold a token (key_valid, one ballot word per warp, plain stores); that warpgroup reads them
+// after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync in
+// between, which orders the stores before the reads. (A second, plain arrival on the RoPE unit's mbarrier would
+// order them too, but a thread arriving twice in one phase is what synccheck reports as a missing wait.)
+//
+// Dequantisation: bf16(stored * scale * 2^-60), by the warpgroup that computes S, one unit just before its WGMMAs
+// (as the FP8 cache's widening). An e4m3 byte s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000, exactly stored *
+// 2^-120 (subnormals included), multiplied by C = scale * 2^60 split as C_hi + C_lo (two bf16), so the product is
+// rounded once (tests/test_sparse_dequant.py models it bit for bit). The 2^-60 keeps C a finite normal number from
+// the quantiser's smallest scale (2^-126) to 2^68 (latent values up to ~10^23); the kernel multiplies Q's latent
+// columns by 2^60 (exact) and the output by 2^60 (SplitKvScales::out), so S and O come out unscaled.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "params.h"
+#include "tile_scheduler.h"
+
+namespace flash_mla {
+
+struct SparseTokenLayout {
+  static constexpr int kLatentBytes = 512;
+  static constexpr int kScalesOffset = 512;
+  static constexpr int kRopeOffset = 528;
+  static constexpr int kTokenBytes = 656;
+  static_assert(kTokenBytes % 16 == 0 && kRopeOffset % 16 == 0, "16-byte copies of every token's parts");
+};
+
+// 2^60 and 2^-60 (see the file comment).
+constexpr float kSparseKScale = 1.152921504606846976e18f;
+
+__device__ __forceinline__ void cp_async_4_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
+}
+
+// e4m3 bytes b0, b1 (the low two bytes of `word` after the byte selection `select`) -> the bf16 pair stored * 2^-120.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t word, uint32_t select) {
+  uint32_t t;     // b0 << 8 | b1 << 24
+  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(t) : "r"(word), "r"(select));
+  return (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
+}
+
+// 16 e4m3 values -> 16 bf16 values stored * scale * 2^-60 (0..7 in lo, 8..15 in hi), given C = scale * 2^60 as
+// (hi, lo) bf16 pairs. NaN stays NaN (as the reference's float32 dequantisation has it).
+__device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat162 c_hi, __nv_bfloat162 c_lo,
+                                                   uint4& lo, uint4& hi) {
+  const uint32_t words[4] = {in.x, in.y, in.z, in.w};
+  uint32_t out[8];
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) {
+    CUTE_UNROLL
+    for (int half = 0; half < 2; ++half) {
+      const uint32_t bits = e4m3x2_to_bf16x2_scaled(words[w], half == 0 ? 0x1404u : 0x3424u);
+      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&bits);
+      const __nv_bfloat162 y = __hfma2(x, c_hi, __hmul2(x, c_lo));
+      out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&y);
+    }
+  }
+  // e4m3 NaN (s.1111.111) would come out finite: a byte whose low seven bits are all ones carries into bit 7
+  // once they are incremented. Rare, so the fix is off the common path.
+  uint32_t nan_bytes = 0;
+  CUTE_UNROLL
+  for (int w = 0; w < 4; ++w) nan_bytes |= ((words[w] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+  if (nan_bytes != 0) {
+    CUTE_UNROLL
+    for (int e = 0; e < 16; ++e) {
+      if ((words[e / 4] >> (8 * (e % 4)) & 0x7F) == 0x7F) out[e / 2] |= 0x7FFFu << (16 * (e % 2));
+    }
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
+}
+
+template <class Traits>
+struct SparseGather {
+  static constexpr int kBlockN = Traits::kBlockN;
+  static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+  static constexpr int kRopeUnit = Traits::kRopeUnit;
+  static constexpr int kSegmentBytes = kBlockN * 128;                // 8 KiB
+  static_assert(Traits::kUnitCols == 128 && Traits::kUnits == 5 && kRopeUnit == 4,
+                "4 latent units of 128 e4m3 columns (one scale group each) and the bf16 RoPE unit");
+  static_assert(2 * kBlockN == kWgThreads, "two threads per row of a page");
+
+  // Units [first_unit, first_unit + num_units) of the page whose slot for this thread's row holds `token` (< 0:
+  // none) into `tile`, arriving on full[unit] for each. With the RoPE unit, this warpgroup's view of which slots
+  // hold a token goes to key_valid (4 words, word w bit 2 k for row 16 w + k).
+  __device__ static void refill(const DecodeParams& p, char* tile, uint64_t* full, uint32_t* key_valid, int token,
+                                int first_unit, int num_units) {
+    const int t = threadIdx.x % kWgThreads, row = t / 2, half = t % 2;
+    const bool has_token = token >= 0 && token < p.num_tokens;
+    const char* src = static_cast<const char*>(p.k_cache) +
+                      (has_token ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
+    for (int u = 0; u < num_units; ++u) {
+      const int unit = first_unit + u;
+      if (unit == kRopeUnit) {
+        CUTE_UNROLL
+        for (int c = 0; c < 4; ++c) {
+          const int chunk = 4 * half + c;
+          cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, row, chunk),
+                            src + SparseTokenLayout::kRopeOffset + chunk * 16, has_token);
+        }
+        const uint32_t ballot = __ballot_sync(0xffffffffu, has_token);
+        if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
+        cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
+      } else {
+        char* dst = tile + Traits::first_segment(unit) * kSegmentBytes + row * 128;
+        CUTE_UNROLL
+        for (int c = 0; c < 4; ++c) {
+          const int chunk = 4 * half + c;
+          cp_async_16_zfill(dst + chunk * 16, src + unit * 128 + chunk * 16, has_token);
+        }
+        if (half == 0) {
+          cp_async_4_zfill(dst + kSegmentBytes, src + SparseTokenLayout::kScalesOffset + 4 * unit, has_token);
+        }
+        cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
+      }
+    }
+  }
+
+  // Dequantises latent unit `unit` of `tile` in place (after its mbarrier): rows' 128 e4m3 bytes at the start of
+  // segment 2 u and their scale at the start of the row's line in segment 2 u + 1 become the bf16 rows of both
+  // segments. The mapping is the FP8 cache's widen_unit (mainloop.h): lane group t / 8 owns rows t / 8 + 16 pass,
+  // lane t % 8 its 16-byte chunk i, which becomes chunks 2 (i % 4), 2 (i % 4) + 1 of segment 2 u + i / 4. Every
+  // byte a row's stores overwrite (its scale included) belongs to that row, read by the row's eight lanes (one
+  // warp) before the __syncwarp that precedes the stores of its pass. The caller fences the writes into the async
+  // proxy and syncs the warpgroup.
+  __device__ static void dequantize_unit(char* tile, int unit) {
+    constexpr int kPasses = kBlockN / 16;
+    const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
+    const char* src = tile + Traits::first_segment(unit) * kSegmentBytes + row0 * 128 + i * 16;
+    const int seg = Traits::first_segment(unit) + i / 4;
+    const int first = (i / 4) & 1;     // lanes 4..7 store their second chunk first (bank spread, as widen_unit)
+    char* dst_first = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
+    char* dst_second = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
+    // Two passes at a time: their loads overlap, and fewer registers are live than with all four.
+    constexpr int kPassesAtOnce = 2;
+    CUTE_UNROLL
+    for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
+      uint4 bytes[kPassesAtOnce];
+      float scale[kPassesAtOnce];
+      CUTE_UNROLL
+      for (int k = 0; k < kPassesAtOnce; ++k) {
+        const int row = row0 + 16 * (pass0 + k);
+        bytes[k] = *reinterpret_cast<const uint4*>(src + (pass0 + k) * 16 * 128);
+        const char* scale_line = tile + (Traits::first_segment(unit) + 1) * kSegmentBytes + row * 128;
+        scale[k] = *reinterpret_cast<const float*>(scale_line);
+      }
+      __syncwarp();
+      CUTE_UNROLL
+      for (int k = 0; k < kPassesAtOnce; ++k) {
+        const float c = scale[k] * kSparseKScale;
+        const __nv_bfloat16 c_hi = __float2bfloat16_rn(c);
+        const __nv_bfloat16 c_lo = __float2bfloat16_rn(c - __bfloat162float(c_hi));
+        uint4 lo, hi;
+        dequantize_e4m3x16(bytes[k], __bfloat162bfloat162(c_hi), __bfloat162bfloat162(c_lo), lo, hi);
+        *reinterpret_cast<uint4*>(dst_first + (pass0 + k) * 16 * 128) = first ? hi : lo;
+        *reinterpret_cast<uint4*>(dst_second + (pass0 + k) * 16 * 128) = first ? lo : hi;
+      }
+    }
+  }
+
+  // Q's latent columns (segments 0..7 of the tile) times 2^60, exact: S = (2^60 Q) (2^-60 K)^T. Each warpgroup
+  // takes half of the 16-byte chunks; the caller fences and syncs both warpgroups.
+  __device__ static void scale_q_latent(char* q_tile, int warpgroup) {
+    constexpr int kChunks = Traits::kRopeSegment * kSegmentBytes / 16;
+    const __nv_bfloat162 factor = __float2bfloat162_rn(kSparseKScale);
+    uint4* chunks = reinterpret_cast<uint4*>(q_tile);
+    for (int c = warpgroup * kWgThreads + threadIdx.x % kWgThreads; c < kChunks; c += 2 * kWgThreads) {
+      uint4 v = chunks[c];
+      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) pairs[k] = __hmul2(pairs[k], factor);
+      chunks[c] = v;
+    }
+  }
+};
+
+}  // namespace flash_mla
