@@ -61,6 +61,25 @@ void check_rows_16_byte_aligned(const at::Tensor& x, const char* name) {
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name, ": expected a 16-byte aligned data pointer");
 }
 
+// The arguments dense and sparse decoding share: the plan, the softmax scale and the optional attention sink (one
+// float32 logit per query head, any stride: made contiguous by the caller).
+void check_plan_scale_sink(const c10::Device& dev, int batch, int num_heads_q, const at::Tensor& metadata,
+                           const at::Tensor& num_splits, double softmax_scale,
+                           const std::optional<at::Tensor>& attn_sink) {
+  CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
+  TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
+              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
+  CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
+  if (attn_sink.has_value()) {
+    const at::Tensor& sink = *attn_sink;
+    TORCH_CHECK(sink.device() == dev, "attn_sink: expected a tensor on ", dev, ", got ", sink.device());
+    TORCH_CHECK(sink.scalar_type() == at::kFloat, "attn_sink: expected dtype float32, got ", sink.scalar_type());
+    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
+                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
+  }
+}
+
 std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
                                    const at::Tensor& seqlens, int64_t head_dim_v, const at::Tensor& metadata,
                                    const at::Tensor& num_splits, double softmax_scale, bool causal,
@@ -116,19 +135,7 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
               "block_table: expected (batch_size, max_blocks_per_seq), got ", block_table.sizes());
   TORCH_CHECK(block_table.size(1) == 0 || block_table.stride(1) == 1, "block_table: expected a contiguous last dimension");
   CHECK_DEVICE(seqlens, dev); CHECK_DTYPE(seqlens, at::kInt); CHECK_SHAPE(seqlens, batch);
-  CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
-  TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
-              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
-  CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
-  // Optional attention sink, one float32 logit per query head (any stride: made contiguous below).
-  if (attn_sink.has_value()) {
-    const at::Tensor& sink = *attn_sink;
-    TORCH_CHECK(sink.device() == dev, "attn_sink: expected a tensor on ", dev, ", got ", sink.device());
-    TORCH_CHECK(sink.scalar_type() == at::kFloat, "attn_sink: expected dtype float32, got ", sink.scalar_type());
-    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
-                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
-  }
+  check_plan_scale_sink(dev, batch, num_heads_q, metadata, num_splits, softmax_scale, attn_sink);
 
   const c10::cuda::CUDAGuard guard(dev);
   const auto seqlens_c = seqlens.contiguous();
@@ -221,17 +228,7 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
   if (topk_length.has_value()) {
     CHECK_DEVICE(*topk_length, dev); CHECK_DTYPE(*topk_length, at::kInt); CHECK_SHAPE(*topk_length, batch);
   }
-  CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
-  TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
-              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
-  CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
-  if (attn_sink.has_value()) {
-    const at::Tensor& sink = *attn_sink;
-    CHECK_DEVICE(sink, dev); CHECK_DTYPE(sink, at::kFloat);
-    TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
-                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
-  }
+  check_plan_scale_sink(dev, batch, num_heads_q, metadata, num_splits, softmax_scale, attn_sink);
 
   const c10::cuda::CUDAGuard guard(dev);
   // Token t at byte 656 t: pages back to back (a copy otherwise), 16-byte aligned for the 16-byte gathers.
