@@ -80,6 +80,43 @@ void check_plan_scale_sink(const c10::Device& dev, int batch, int num_heads_q, c
   }
 }
 
+// What dense and sparse decoding set up alike: the shapes of the packed query rows (seqlen_q * heads_per_kv per KV
+// head), the plan, the score scale, q, the outputs (out in out_dtype, lse), the workspace of split pieces (one slot
+// per piece: at most batch + num_sm_parts, SPEC.md "Scheduler") and the attention sink. The tensors live here until
+// the launches are queued; the caching allocator orders their reuse after them on this stream.
+struct DecodeSetup {
+  DecodeParams params{};
+  at::Tensor out, lse, o_partial, lse_partial, num_splits, sink;
+
+  DecodeSetup(const at::Tensor& q, int num_heads_k, at::ScalarType out_dtype, const at::Tensor& metadata,
+              const at::Tensor& num_splits_in, double softmax_scale, const std::optional<at::Tensor>& attn_sink) {
+    const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2);
+    const int num_sm_parts = metadata.size(0);
+    const int heads_per_kv = num_heads_q / num_heads_k;
+    const int rows_per_kv = seqlen_q * heads_per_kv;
+    num_splits = num_splits_in.contiguous();
+    sink = attn_sink.has_value() ? attn_sink->contiguous() : at::Tensor();
+    out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options().dtype(out_dtype));
+    lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
+    const int64_t slots = int64_t(batch) + num_sm_parts;
+    o_partial = at::empty({slots, num_heads_k, rows_per_kv, kHeadDimV}, q.options().dtype(at::kFloat));
+    lse_partial = at::empty({slots, num_heads_k, rows_per_kv}, q.options().dtype(at::kFloat));
+
+    DecodeParams& p = params;
+    p.batch = batch; p.seqlen_q = seqlen_q; p.num_heads_q = num_heads_q; p.num_heads_k = num_heads_k;
+    p.heads_per_kv = heads_per_kv; p.rows_per_kv = rows_per_kv;
+    p.num_row_tiles = (rows_per_kv + kRowsPerTile - 1) / kRowsPerTile;
+    p.num_sm_parts = num_sm_parts;
+    p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+    p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
+    p.metadata = metadata.data_ptr<int32_t>();
+    p.num_splits = num_splits.data_ptr<int32_t>();
+    p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
+    p.attn_sink = sink.defined() ? sink.data_ptr<float>() : nullptr;
+    p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
+  }
+};
+
 std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& block_table,
                                    const at::Tensor& seqlens, int64_t head_dim_v, const at::Tensor& metadata,
                                    const at::Tensor& num_splits, double softmax_scale, bool causal,
@@ -139,43 +176,19 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
 
   const c10::cuda::CUDAGuard guard(dev);
   const auto seqlens_c = seqlens.contiguous();
-  const auto num_splits_c = num_splits.contiguous();
-  // Kept alive until the launches are queued; the caching allocator orders its reuse after them on this stream.
-  const at::Tensor sink_c = attn_sink.has_value() ? attn_sink->contiguous() : at::Tensor();
-  const int num_sm_parts = metadata.size(0);
-  const int heads_per_kv = num_heads_q / num_heads_k;
-  const int rows_per_kv = seqlen_q * heads_per_kv;
-
   const auto out_dtype = fp8_q ? at::kBFloat16 : dtype;
-  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options().dtype(out_dtype));
-  at::Tensor lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
-  // One slot per piece of a split sequence: at most batch + num_sm_parts (SPEC.md "Scheduler").
-  const int64_t slots = int64_t(batch) + num_sm_parts;
-  at::Tensor o_partial = at::empty({slots, num_heads_k, rows_per_kv, kHeadDimV}, q.options().dtype(at::kFloat));
-  at::Tensor lse_partial = at::empty({slots, num_heads_k, rows_per_kv}, q.options().dtype(at::kFloat));
-
-  DecodeParams p{};
-  p.batch = batch; p.seqlen_q = seqlen_q; p.num_heads_q = num_heads_q; p.num_heads_k = num_heads_k;
-  p.heads_per_kv = heads_per_kv; p.rows_per_kv = rows_per_kv;
-  p.num_row_tiles = (rows_per_kv + kRowsPerTile - 1) / kRowsPerTile;
-  p.num_sm_parts = num_sm_parts;
-  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
+  DecodeSetup setup(q, num_heads_k, out_dtype, metadata, num_splits, softmax_scale, attn_sink);
+  DecodeParams& p = setup.params;
   p.causal = causal;
   p.q_format = !fp8_cache ? kQAsMath : fp8_q ? kQFp8 : dtype == at::kBFloat16 ? kQBf16 : kQAsMath;
   p.out_bf16 = out_dtype == at::kBFloat16;
   p.descale_q = descale_q.has_value() ? descale_q->data_ptr<float>() : nullptr;
   p.descale_k = descale_k.has_value() ? descale_k->data_ptr<float>() : nullptr;
-  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
   p.k_cache = k_cache.data_ptr();
   p.k_block_stride = k_cache.stride(0); p.k_token_stride = k_cache.stride(1); p.k_head_stride = k_cache.stride(2);
   p.num_kv_blocks = k_cache.size(0);
   p.block_table = block_table.data_ptr<int32_t>(); p.block_table_stride = block_table.stride(0);
   p.seqlens = seqlens_c.data_ptr<int32_t>();
-  p.metadata = metadata.data_ptr<int32_t>();
-  p.num_splits = num_splits_c.data_ptr<int32_t>();
-  p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
-  p.attn_sink = sink_c.defined() ? sink_c.data_ptr<float>() : nullptr;
-  p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
 
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   if (fp8_cache) {
@@ -193,7 +206,7 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
     launch_mla_combine_fp16(p, stream);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse};
+  return {setup.out, setup.lse};
 }
 
 // Sparse FP8 decoding (DeepSeek-V3.2; SPEC.md "Sparse FP8 decoding", flash_mla/_sparse_validation.py runs first):
@@ -206,7 +219,7 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
                                       const std::optional<at::Tensor>& topk_length, const at::Tensor& metadata,
                                       const at::Tensor& num_splits, double softmax_scale,
                                       const std::optional<at::Tensor>& attn_sink) {
-  constexpr int kTokenBytes = 656;
+  constexpr int kTokenBytes = SparseTokenLayout::kTokenBytes;
   TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
   const auto dev = q.device();
   CHECK_DTYPE(q, at::kBFloat16);
@@ -239,45 +252,24 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
   if (!flat || reinterpret_cast<uintptr_t>(tokens.data_ptr()) % 16 != 0) tokens = tokens.contiguous();
   const auto indices_c = indices.stride(2) == 1 ? indices : indices.contiguous();
   const at::Tensor lengths_c = topk_length.has_value() ? topk_length->contiguous() : at::Tensor();
-  const auto num_splits_c = num_splits.contiguous();
-  const at::Tensor sink_c = attn_sink.has_value() ? attn_sink->contiguous() : at::Tensor();
-  const int num_sm_parts = metadata.size(0);
-  const int rows = seqlen_q * num_heads_q;
-
-  at::Tensor out = at::empty({batch, seqlen_q, num_heads_q, kHeadDimV}, q.options());
-  at::Tensor lse = at::empty({batch, num_heads_q, seqlen_q}, q.options().dtype(at::kFloat));
-  const int64_t slots = int64_t(batch) + num_sm_parts;
-  at::Tensor o_partial = at::empty({slots, 1, rows, kHeadDimV}, q.options().dtype(at::kFloat));
-  at::Tensor lse_partial = at::empty({slots, 1, rows}, q.options().dtype(at::kFloat));
-
-  DecodeParams p{};
-  p.batch = batch; p.seqlen_q = seqlen_q; p.num_heads_q = num_heads_q; p.num_heads_k = 1;
-  p.heads_per_kv = num_heads_q; p.rows_per_kv = rows;
-  p.num_row_tiles = rows / kRowsPerTile;
-  p.num_sm_parts = num_sm_parts;
-  p.scale_log2 = static_cast<float>(softmax_scale * M_LOG2E);
-  p.causal = false;
+  // One KV head: the packed rows of a batch row are its s_q * h_q (token, head) pairs.
+  DecodeSetup setup(q, /*num_heads_k=*/1, at::kBFloat16, metadata, num_splits, softmax_scale, attn_sink);
+  DecodeParams& p = setup.params;
   p.q_format = kQAsMath;
   p.out_bf16 = true;
-  p.q = q.data_ptr(); p.q_batch_stride = q.stride(0); p.q_token_stride = q.stride(1); p.q_head_stride = q.stride(2);
   p.k_cache = tokens.data_ptr();
   p.num_tokens = tokens.size(0) * page;
   p.indices = indices_c.data_ptr<int32_t>();
   p.indices_batch_stride = indices_c.stride(0); p.indices_token_stride = indices_c.stride(1);
   p.topk = indices.size(2);
   p.seqlens = lengths_c.defined() ? lengths_c.data_ptr<int32_t>() : nullptr;
-  p.metadata = metadata.data_ptr<int32_t>();
-  p.num_splits = num_splits_c.data_ptr<int32_t>();
-  p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
-  p.attn_sink = sink_c.defined() ? sink_c.data_ptr<float>() : nullptr;
-  p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
 
   void* stream = at::cuda::getCurrentCUDAStream().stream();
   launch_mla_splitkv_sparse(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   launch_mla_combine_bf16(p, stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {out, lse};
+  return {setup.out, setup.lse};
 }
 
 }  // namespace

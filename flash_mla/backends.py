@@ -213,13 +213,12 @@ def select_sparse_backend(device: torch.device, requested: Optional[str] = None,
             return "cpu"
         if device.type != "cuda":
             raise RuntimeError(f"flash_mla: no backend for tensors on {device}; supported: CUDA GPUs and the CPU")
-    cuda_reason = _sparse_cuda_reason(device, q_dtype, h_q)
-    if requested == "cuda":
-        if cuda_reason is not None:
+    if requested in (None, "cuda"):
+        cuda_reason = _sparse_cuda_reason(device, q_dtype, h_q)
+        if requested == "cuda" and cuda_reason is not None:
             raise RuntimeError(f"flash_mla: backend 'cuda' was requested but is unavailable: {cuda_reason}")
-        return "cuda"
-    if requested is None and cuda_reason is None:
-        return "cuda"
+        if cuda_reason is None:
+            return "cuda"
     name = requested or "triton"
     reason = _unavailable_reason(name, device, fp8=True)
     if reason is None and name == "triton":

@@ -269,6 +269,21 @@ def cuda_median_seconds(fn: Callable[[], object], reps: int = 15, calls_per_rep:
     return statistics.median(times)
 
 
+def capture_cuda_graph(step: Callable[[], object]):
+    """One eager call of step() on a side stream (the warm-up: Triton compiles and the allocator settles outside any
+    capture), then one call captured in a CUDA graph. Returns (graph, eager result, captured result); each replay
+    recomputes the captured result's tensors in place."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        eager = step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    return graph, eager, captured
+
+
 def cuda_graph_median_seconds(fns: Sequence[Callable[[], object]], reps: int = 15) -> float:
     """Median seconds per call of `fns`, all captured in order in one CUDA graph and replayed `reps` times (each
     replay timed by CUDA events): no launch overhead, as in an engine that captures its decode step. The first

@@ -173,6 +173,15 @@ if triton is not None:
             return int(handle.data.reshape(-1)[0])
 
     @triton.jit
+    def _part_pieces(metadata_ptr, part, META_WIDTH: tl.constexpr):
+        """SM part `part`'s metadata row (SPEC.md "Scheduler"): its pieces run from token begin_token of begin_seq
+        to token end_token of end_seq; begin_split is the first piece's index among its sequence's pieces. An idle
+        part has begin_seq = b > end_seq, so a sequence loop over it does not run.
+        Returns (begin_seq, begin_token, end_seq, end_token, begin_split)."""
+        meta = metadata_ptr + part * META_WIDTH
+        return tl.load(meta + 0), tl.load(meta + 1), tl.load(meta + 2), tl.load(meta + 3), tl.load(meta + 4)
+
+    @triton.jit
     def _sink_scale(sink_ptr, head, row_ok, lse):
         """1 / (1 + exp(attn_sink[head] - lse)) per row; 1 for rows that saw no key (lse -inf: their out is 0
         and stays 0, and a -inf sink would otherwise give exp(nan))."""
@@ -214,14 +223,7 @@ if triton is not None:
             if Q_FP8:
                 scale_log2 = scale_log2 * tl.load(descale_q_ptr)
 
-        # This SM part's pieces: tokens [begin_token, ...) of begin_seq up to [..., end_token) of end_seq.
-        # An idle part has begin_seq = b > end_seq, so the sequence loop below does not run.
-        meta = metadata_ptr + part * META_WIDTH
-        begin_seq = tl.load(meta + 0)
-        begin_token = tl.load(meta + 1)
-        end_seq = tl.load(meta + 2)
-        end_token = tl.load(meta + 3)
-        begin_split = tl.load(meta + 4)
+        begin_seq, begin_token, end_seq, end_token, begin_split = _part_pieces(metadata_ptr, part, META_WIDTH)
 
         # Packed query rows of this KV head: row r is query token r // group of head kv_head * group + r % group.
         r = row_tile * BLOCK_M + tl.arange(0, BLOCK_M)

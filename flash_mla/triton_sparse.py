@@ -116,6 +116,7 @@ if triton is not None:
     _LOG2E = _dense._LOG2E
     _TL_HALF = _dense._TL_HALF
     _loop_bound = _dense._loop_bound
+    _part_pieces = _dense._part_pieces
     _sink_scale = _dense._sink_scale
 
     @triton.jit
@@ -179,12 +180,7 @@ if triton is not None:
         row_ok = head < h_q
         r = q_token * h_q + head            # the row in the workspace / combine kernel's numbering
 
-        meta = metadata_ptr + part * META_WIDTH
-        begin_seq = tl.load(meta + 0)
-        begin_token = tl.load(meta + 1)
-        end_seq = tl.load(meta + 2)
-        end_token = tl.load(meta + 3)
-        begin_split = tl.load(meta + 4)
+        begin_seq, begin_token, end_seq, end_token, begin_split = _part_pieces(metadata_ptr, part, META_WIDTH)
 
         cols_g = tl.arange(0, GROUP)
         cols_r = tl.arange(0, D_ROPE)

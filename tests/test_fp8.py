@@ -55,8 +55,8 @@ from flash_mla.backends import ENV_VAR, _unavailable_reason, select_backend  # n
 from flash_mla.fp8 import FP8_DTYPE, FP8_MAX, MIN_DESCALE  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
 from flash_mla.testing import (  # noqa: E402
-    FP8_GARBAGE_CODES, HEAD_DIM_V, assert_close, compare, make_decode_batch, make_fp8_decode_batch,
-    reference_for)
+    FP8_GARBAGE_CODES, HEAD_DIM_V, assert_close, capture_cuda_graph, compare, make_decode_batch,
+    make_fp8_decode_batch, reference_for)
 
 try:
     import triton  # noqa: F401
@@ -792,15 +792,8 @@ def test_gpu_cuda_graph_replay_with_new_inputs_and_scales():
         return flash_mla_with_kvcache_fp8(*batch.args(), 512, md, ns, None, True, descale_q=batch.descale_q,
                                           descale_k=batch.descale_k)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        eager = step()                          # warm-up (Triton compiles) outside the capture
-    torch.cuda.current_stream().wait_stream(side)
+    graph, eager, (g_out, g_lse) = capture_cuda_graph(step)
     check(batch, *eager, "eager before capture", ref=gpu_reference(batch))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = step()
     g_out.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()

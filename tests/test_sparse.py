@@ -37,7 +37,8 @@ from flash_mla import (  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin, num_sm_parts_for  # noqa: E402
 from flash_mla.sparse_fp8 import (  # noqa: E402
     NUM_SCALES, ROPE_OFFSET, SCALE_GROUP, SCALES_OFFSET, TOKEN_BYTES, valid_index_mask)
-from flash_mla.testing import assert_sparse_close, make_attn_sink, sparse_bf16_key_lse_bound  # noqa: E402
+from flash_mla.testing import (  # noqa: E402
+    assert_sparse_close, capture_cuda_graph, make_attn_sink, sparse_bf16_key_lse_bound)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON_SPARSE = os.path.exists(os.path.join(ROOT, "flash_mla", "triton_sparse.py"))
@@ -821,14 +822,7 @@ def test_gpu_cuda_graph_replay_with_new_indices(backend):
     def step():
         return run(live, plan=(md, ns), backend=backend)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                                             # warm-up (Triton compiles here)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = step()
+    graph, _, (out, lse) = capture_cuda_graph(step)
     for seed in (61, 62):
         new = make_sparse_batch(b=8, s_q=2, h_q=64, topk=256, num_blocks=64, seed=seed,
                                 topk_length=[256, 0, 1, 100, 256, 64, 65, 200], garbage_past_length=False,

@@ -29,7 +29,7 @@ if not HAS_CUDA:
 from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
 from flash_mla.sparse_fp8 import (  # noqa: E402
     TOKEN_BYTES, quantize_kv_cache_v32, sparse_decode_reference, valid_index_mask)
-from flash_mla.testing import SPARSE_OUT_TOL, assert_sparse_close  # noqa: E402
+from flash_mla.testing import SPARSE_OUT_TOL, assert_sparse_close, capture_cuda_graph  # noqa: E402
 
 try:
     import triton  # noqa: F401
@@ -308,14 +308,7 @@ def test_gpu_cuda_graph_capture(ts):
         return ts.sparse_decode_triton(case.q, case.k_cache, case.indices, case.topk_length, md, ns,
                                        576 ** -0.5, None)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()                                    # compile outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        g_out, g_lse = step()
+    graph, _, (g_out, g_lse) = capture_cuda_graph(step)
     g_out.fill_(math.nan)
     graph.replay()
     torch.cuda.synchronize()

@@ -14,6 +14,15 @@ constexpr int kRowsPerTile = 64;      // query rows per CTA (WGMMA M)
 constexpr int kFixedOverhead = 5;     // scheduler cost of one sequence piece, in pages
 constexpr int kMetadataWidth = 8;     // int32 words per SM part
 
+// Byte layout of a token of the sparse FP8 cache (DeepSeek-V3.2, flash_mla/sparse_fp8.py): 512 e4m3 latent values,
+// 4 float32 group scales, 64 bf16 RoPE values.
+struct SparseTokenLayout {
+  static constexpr int kScalesOffset = 512;
+  static constexpr int kRopeOffset = 528;
+  static constexpr int kTokenBytes = 656;
+  static_assert(kTokenBytes % 16 == 0 && kRopeOffset % 16 == 0, "16-byte copies of every token's parts");
+};
+
 // Column indices of one tile_scheduler_metadata row.
 enum MetadataField : int { kBeginSeq = 0, kBeginToken = 1, kEndSeq = 2, kEndToken = 3, kBeginSplit = 4 };
 

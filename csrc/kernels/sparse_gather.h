@@ -36,14 +36,6 @@
 
 namespace flash_mla {
 
-struct SparseTokenLayout {
-  static constexpr int kLatentBytes = 512;
-  static constexpr int kScalesOffset = 512;
-  static constexpr int kRopeOffset = 528;
-  static constexpr int kTokenBytes = 656;
-  static_assert(kTokenBytes % 16 == 0 && kRopeOffset % 16 == 0, "16-byte copies of every token's parts");
-};
-
 // 2^60 and 2^-60 (see the file comment).
 constexpr float kSparseKScale = 1.152921504606846976e18f;
 
