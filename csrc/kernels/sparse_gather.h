@@ -36,7 +36,7 @@
 
 namespace flash_mla {
 
-// 2^60 and 2^-60 (see the file comment).
+// 2^60 (see the file comment).
 constexpr float kSparseKScale = 1.152921504606846976e18f;
 
 __device__ __forceinline__ void cp_async_4_zfill(void* smem_dst, const void* gmem_src, bool valid) {
