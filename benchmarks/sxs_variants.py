@@ -1,4 +1,4 @@
-"""Compile-time variants of the Hopper kernels side by side with upstream's anchors, in one process.
+"""Compile-time variants of the Hopper kernels against upstream's anchors, one process per variant.
 
 A kernel experiment is a macro the kernels read (e.g. `#ifndef FLASH_MLA_EXP / #define FLASH_MLA_EXP 0` in
 mainloop.h, branches as `if constexpr`), so that no variant costs the others a runtime branch (ptxas serialises
@@ -12,20 +12,28 @@ referee's anchors on its workloads:
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table /tmp/e0 /tmp/e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
 
-Each folder's extension (flash_mla/_cuda*.so) is loaded directly and called through its binding (no Python
-validation, the device plan for 132 SMs), timed exactly as the referee times flash_mla (`sxs.time_graph`: N calls
-over N cache copies in one CUDA graph, best of two medians, implementations interleaved per workload). Results of
-the variants must agree with the first one (out rel-L2 < 1e-2, the same -inf pattern of lse). Prints one row per
-workload (times, ratio = best anchor / variant) and the geometric means per group (table rows split into
-memory-bound h_q * s_q < 128 and compute-bound); the variants are compared with each other only inside one run.
+Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
+build's kernels (their kernels have the same names; on the H100 with CUDA 13.0 a build that copies nothing gave
+bit-identical outputs to the baseline), so every earlier in-process comparison measured one kernel against itself.
+In its process, a variant's extension (flash_mla/_cuda*.so) is loaded directly and called through its binding
+(no Python validation, the device plan for 132 SMs), timed exactly as the referee times flash_mla
+(`sxs.time_graph`: N calls over N cache copies in one CUDA graph, best of two medians), interleaved per workload
+with the anchors, so each ratio (best anchor / variant) comes from one process as the referee's do. Results of
+the variants must agree with the first one (out rel-L2 < 1e-2 on every fourth element, the same -inf pattern of
+lse) unless --timing-only. Prints one row per workload (times, the first process's anchor time, ratios) and the
+geometric means per group (table rows split into memory-bound h_q * s_q < 128 and compute-bound); variants are
+compared with each other only inside one run of this script.
 """
 import argparse
 import glob
 import importlib.machinery
 import importlib.util
+import json
 import math
 import os
+import subprocess
 import sys
+import tempfile
 
 
 class RawExtension:
@@ -66,6 +74,45 @@ def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
+def workloads(sxs, args):
+    """(group, label, make_inputs, seqlens-or-None, causal, s_q, h_q) per referee workload, in its order."""
+    if args.sparse:
+        return [(group, label, (lambda wi, b=b, s_q=s_q, h_q=h_q, topk=topk:
+                                sxs.make_sparse_workload(b, s_q, h_q, topk, seed=2000 + wi) + (None,)), False, s_q, h_q)
+                for group, label, b, s_q, h_q, topk in sxs.sparse_workloads()]
+    table = {"table": sxs.table_workloads(), "beyond": sxs.beyond_workloads(),
+             "all": sxs.table_workloads() + sxs.beyond_workloads()}[args.only]
+    return [(group, label, (lambda wi, lens=lens, s_q=s_q, h_q=h_q:
+                            sxs.make_workload(lens, s_q, h_q, 1, seed=1000 + wi)), True, s_q, h_q)
+            for group, label, lens, s_q, h_q in table]
+
+
+def child(args):
+    """Times one variant and the anchors on every workload; one JSON line per workload, results into --save."""
+    sys.path.insert(0, os.path.abspath(args.anchors))
+    import sxs
+    import torch
+
+    variant = (RawSparseExtension if args.sparse else RawExtension)(args.folders[0])
+    anchors = [sxs.AnchorHeadSparse()] if args.sparse else [sxs.AnchorV1(), sxs.AnchorHead()]
+    for wi, (group, label, make, causal, s_q, h_q) in enumerate(workloads(sxs, args)):
+        q, ks, bt, seqlens = make(wi)
+        best, result = {}, None
+        for _ in range(2):
+            for impl in [variant] + anchors:
+                t, res = sxs.time_graph(impl, q, ks, bt, seqlens, causal)
+                best[impl.name] = min(best.get(impl.name, math.inf), t)
+                if impl is variant:
+                    result = res
+        out, lse = result
+        torch.save({"out": out.reshape(-1)[::4].float().cpu(), "lse_inf": torch.isinf(lse).cpu()},
+                   os.path.join(args.save, f"{wi}.pt"))
+        print(json.dumps({"wi": wi, "variant": best[variant.name], "anchor": min(best[a.name] for a in anchors)}),
+              flush=True)
+        del q, ks, bt, seqlens, result, out, lse
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--anchors", required=True, help="folder with the referee's sxs.py and compressed anchors")
@@ -73,55 +120,48 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="the referee's sparse FP8 rows against upstream head")
     ap.add_argument("--timing-only", action="store_true",
                     help="skip the agreement check (variants that deliberately compute something else)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("folders", nargs="+", help="one built tree per variant; the first is the baseline")
     args = ap.parse_args()
+    if args.child:
+        return child(args)
     sys.path.insert(0, os.path.abspath(args.anchors))
     import sxs
     import torch
 
-    if args.sparse:
-        variants = [RawSparseExtension(f) for f in args.folders]
-        anchors = [sxs.AnchorHeadSparse()]
-        work = [(group, label, (b, topk), s_q, h_q) for group, label, b, s_q, h_q, topk in sxs.sparse_workloads()]
-    else:
-        variants = [RawExtension(f) for f in args.folders]
-        anchors = [sxs.AnchorV1(), sxs.AnchorHead()]
-        work = {"table": sxs.table_workloads(), "beyond": sxs.beyond_workloads(),
-                "all": sxs.table_workloads() + sxs.beyond_workloads()}[args.only]
-    names = [v.name for v in variants]
-    anchor_names = [a.name for a in anchors]
-    print("workload," + ",".join(f"{n}_us" for n in names) + "," + ",".join(f"{a}_us" for a in anchor_names) + "," +
-          ",".join(f"ratio_{n}" for n in names), flush=True)
+    names = [os.path.basename(os.path.normpath(f)) for f in args.folders]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"variant folders need distinct names: {names}")
+    work = workloads(sxs, args)
+    times = {}   # name -> list of (variant seconds, anchor seconds) per workload
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, folder in zip(names, args.folders):
+            save = os.path.join(tmp, name)
+            os.makedirs(save)
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
+                   "--only", args.only] + (["--sparse"] if args.sparse else []) + [folder]
+            run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
+            rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+            if run.returncode != 0 or len(rows) != len(work):
+                raise SystemExit(f"{name}: the timing process failed (exit {run.returncode}, {len(rows)} rows)")
+            times[name] = [(r["variant"], r["anchor"]) for r in rows]
+        for wi, (group, label, *_rest) in enumerate(work):
+            base = torch.load(os.path.join(tmp, names[0], f"{wi}.pt"))
+            for name in names[1:] if not args.timing_only else []:
+                other = torch.load(os.path.join(tmp, name, f"{wi}.pt"))
+                rel = ((other["out"] - base["out"]).norm() / base["out"].norm().clamp_min(1e-20)).item()
+                if not rel < 1e-2 or not torch.equal(other["lse_inf"], base["lse_inf"]):
+                    raise SystemExit(f"{label}: variant {name} disagrees with {names[0]} (out rel-L2 {rel:.1e})")
+
+    print("workload," + ",".join(f"{n}_us" for n in names) + ",anchor_us," + ",".join(f"ratio_{n}" for n in names))
     groups = {}
-    for wi, (group, label, lens, s_q, h_q) in enumerate(work):
-        if args.sparse:
-            (b, topk) = lens
-            q, ks, bt = sxs.make_sparse_workload(b, s_q, h_q, topk, seed=2000 + wi)
-            seqlens, causal = None, False
-        else:
-            q, ks, bt, seqlens = sxs.make_workload(lens, s_q, h_q, 1, seed=1000 + wi)
-            causal = True
-        best, results = {}, {}
-        for _ in range(2):
-            for impl in variants + anchors:
-                t, res = sxs.time_graph(impl, q, ks, bt, seqlens, causal)
-                best[impl.name] = min(best.get(impl.name, math.inf), t)
-                results[impl.name] = res
-        out0, lse0 = results[names[0]]
-        for n in names[1:] if not args.timing_only else []:
-            out, lse = results[n]
-            rel = ((out - out0).norm() / out0.norm().clamp_min(1e-20)).item()
-            if rel >= 1e-2 or not torch.equal(torch.isinf(lse), torch.isinf(lse0)):
-                raise SystemExit(f"{label}: variant {n} disagrees with {names[0]} (out rel-L2 {rel:.1e})")
-        anchor = min(best[a] for a in anchor_names)
-        ratios = [anchor / best[n] for n in names]
+    for wi, (group, label, make, causal, s_q, h_q) in enumerate(work):
+        ratios = [times[n][wi][1] / times[n][wi][0] for n in names]
         kind = group if group != "table" else ("compute" if s_q * h_q >= 128 else "memory")
         groups.setdefault(kind, []).append(ratios)
-        print(f"{group}: {label}," + ",".join(f"{best[n] * 1e6:.1f}" for n in names) + "," +
-              ",".join(f"{best[a] * 1e6:.1f}" for a in anchor_names) + "," + ",".join(f"{r:.3f}" for r in ratios),
-              flush=True)
-        del q, ks, bt, seqlens, results
-        torch.cuda.empty_cache()
+        print(f"{group}: {label}," + ",".join(f"{times[n][wi][0] * 1e6:.1f}" for n in names) +
+              f",{times[names[0]][wi][1] * 1e6:.1f}," + ",".join(f"{r:.3f}" for r in ratios), flush=True)
     for kind, rows in groups.items():
         columns = list(zip(*rows))
         print(f"# {kind} ({len(rows)} rows) geomean: " +

@@ -55,7 +55,7 @@ def _partial_attention(q_rows: torch.Tensor, k_cache: torch.Tensor, block_table:
         row_sum = row_sum * rescale + p.sum(dim=1)
         acc = acc * rescale[:, None] + p @ kv[:, :head_dim_v]                     # O += P V
         row_max = new_max
-    seen = row_sum > 0
+    seen = row_sum != 0          # NaN (a NaN q or visible key) stays NaN in out and lse, as in the kernels
     out = torch.where(seen[:, None], acc / torch.where(seen, row_sum, 1.0)[:, None], 0.0)
     lse = torch.where(seen, (row_max + torch.log2(torch.where(seen, row_sum, 1.0))) / LOG2E, -math.inf)
     return out, lse
@@ -76,10 +76,10 @@ def combine_pieces(o_pieces: torch.Tensor, lse_pieces: torch.Tensor) -> Tuple[to
     o_pieces (n, rows, dv), lse_pieces (n, rows). Rows with no key in any piece keep out 0, lse -inf.
     """
     lse = torch.logsumexp(lse_pieces, dim=0)
-    finite = torch.isfinite(lse)
-    weights = torch.exp(lse_pieces - torch.where(finite, lse, 0.0)[None])
+    no_key = torch.isneginf(lse)                 # a NaN piece makes the row NaN, out and lse alike
+    weights = torch.exp(lse_pieces - torch.where(no_key, 0.0, lse)[None])
     out = (weights[..., None] * o_pieces).sum(dim=0)
-    return torch.where(finite[:, None], out, 0.0), lse
+    return torch.where(no_key[:, None], 0.0, out), lse
 
 
 def mla_decode_cpu(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,

@@ -56,7 +56,7 @@ def _partial_attention(q_tokens: torch.Tensor, k_cache: torch.Tensor, slot_ids: 
         row_sum = row_sum * rescale + p.sum(dim=2)
         acc = acc * rescale[..., None] + torch.bmm(p, kv[..., :HEAD_DIM_V])       # O += P V
         row_max = new_max
-    seen = row_sum > 0
+    seen = row_sum != 0          # NaN (a NaN q or counted key) stays NaN in out and lse, as in the kernels
     out = torch.where(seen[..., None], acc / torch.where(seen, row_sum, 1.0)[..., None], 0.0)
     lse = torch.where(seen, (row_max + torch.log2(torch.where(seen, row_sum, 1.0))) / LOG2E, -math.inf)
     return out.reshape(s_q * h_q, HEAD_DIM_V), lse.reshape(s_q * h_q)

@@ -205,8 +205,10 @@ def sparse_bf16_key_lse_bound(q: torch.Tensor, k_cache: torch.Tensor, indices: t
                               softmax_scale: Optional[float] = None) -> torch.Tensor:
     """(b, h_q, s_q): how far a row's lse may move when every dequantised latent value of its keys is rounded to
     bf16 (what the cuda backend's kernel multiplies, as upstream's does; the cpu and triton backends keep S exact).
-    A rounding moves k by at most 2^-8 |k|, so score j by at most 2^-8 * scale * sum_d |q_d| |k_jd| (latent d), and
-    lse, a smooth maximum of the scores, by at most the largest such move over the row's keys."""
+    The kernel rounds a key twice (its bf16 group scale, then the product: tests/test_sparse_dequant.py), which
+    moves k by at most (2^-7 + 2^-16) |k| (one rounding: 2^-8), so score j by at most that times
+    scale * sum_d |q_d| |k_jd| (latent d), and lse, a smooth maximum of the scores, by at most the largest such move
+    over the row's keys."""
     from .sparse_fp8 import LATENT_DIM, dequantize_kv_cache_v32
     b, s_q, h_q, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
@@ -220,7 +222,7 @@ def sparse_bf16_key_lse_bound(q: torch.Tensor, k_cache: torch.Tensor, indices: t
             slots = idx[i, s, :n]
             slots = slots[(slots >= 0) & (slots < keys.shape[0])]
             if slots.numel():
-                bound[i, :, s] = (qa[i, s] @ keys[slots].T).amax(dim=-1) * scale * 2.0 ** -8
+                bound[i, :, s] = (qa[i, s] @ keys[slots].T).amax(dim=-1) * scale * (2.0 ** -7 + 2.0 ** -16)
     return bound
 
 

@@ -303,7 +303,7 @@ if triton is not None:
                 acc = tl.dot(p, kv, acc * rescale[:, None])
                 row_max = new_max
 
-            seen = row_sum > 0.0
+            seen = row_sum != 0.0          # NaN stays NaN in out and lse, as in the Hopper kernel
             safe_sum = tl.where(seen, row_sum, 1.0)
             if KV_FP8:
                 o = acc * (k_descale / safe_sum)[:, None]    # V's scale, once per row
@@ -368,7 +368,7 @@ if triton is not None:
                 weight_sum += w
                 acc += w[:, None] * o_k
 
-            seen = weight_sum > 0.0
+            seen = weight_sum != 0.0       # a NaN piece makes the row NaN
             safe_sum = tl.where(seen, weight_sum, 1.0)
             o = acc / safe_sum[:, None]
             lse = tl.where(seen, base + tl.log(safe_sum), float("-inf"))

@@ -269,7 +269,7 @@ if triton is not None:
                 acc2 = tl.dot(_widen(p * c2[None, :], tl.bfloat16, DOT_F32), v2, acc2 * rescale[:, None])
                 acc3 = tl.dot(_widen(p * c3[None, :], tl.bfloat16, DOT_F32), v3, acc3 * rescale[:, None])
 
-            seen = row_sum > 0.0
+            seen = row_sum != 0.0          # NaN stays NaN in out and lse, as in the Hopper kernel
             inv = 1.0 / tl.where(seen, row_sum, 1.0)       # rows that saw no key: acc is 0, so out = 0
             lse = tl.where(seen, (row_max + tl.log2(tl.where(seen, row_sum, 1.0))) / _LOG2E, float("-inf"))
             if num_pieces == 1:

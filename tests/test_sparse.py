@@ -38,7 +38,7 @@ from flash_mla.scheduler import get_mla_metadata_twin, num_sm_parts_for  # noqa:
 from flash_mla.sparse_fp8 import (  # noqa: E402
     NUM_SCALES, ROPE_OFFSET, SCALE_GROUP, SCALES_OFFSET, TOKEN_BYTES, valid_index_mask)
 from flash_mla.testing import (  # noqa: E402
-    assert_sparse_close, capture_cuda_graph, make_attn_sink, sparse_bf16_key_lse_bound)
+    SPARSE_OUT_TOL, assert_sparse_close, capture_cuda_graph, make_attn_sink, sparse_bf16_key_lse_bound)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON_SPARSE = os.path.exists(os.path.join(ROOT, "flash_mla", "triton_sparse.py"))
@@ -793,7 +793,9 @@ def test_gpu_cuda_kernel_edge_cases():
     indices[1] = -1
     indices[2, 1] = -1
     q = torch.randn(b, s_q, h_q, 576, generator=g).bfloat16()
-    q[..., :512] *= 1e-3           # scores stay O(1) beside the 2^15 groups
+    # Scores O(1) beside the 2^15 groups (q x 1e-3 left them at a standard deviation of ~15, where the softmax is
+    # nearly one-hot and the bf16 rounding of the keys, upstream's as well as ours, moves out by more than 1e-2).
+    q[..., :512] *= 2.0 ** -15
     for topk_length in ([700, 0, 129, 64, 65, 1], None):
         tl = None if topk_length is None else torch.tensor(topk_length, dtype=torch.int32)
         batch = SparseBatch(q, k_cache, indices, tl).to("cuda")
@@ -805,6 +807,33 @@ def test_gpu_cuda_kernel_edge_cases():
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
         out3, lse3 = run(batch, "classic", backend="cuda")
         assert torch.equal(out, out3) and torch.equal(lse, lse3)                 # deterministic
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_nan_code_in_a_counted_token(backend):
+    """An e4m3 NaN byte (0x7F, 0xFF) under a finite group scale in a token a row counts makes that row's out and lse
+    NaN, as the reference's dequantisation has it: the cuda kernel's carry test and patch, for each of the 16 byte
+    positions of a 16-byte chunk and each of the 4 latent groups; rows that count no such token stay exact."""
+    batch = make_sparse_batch(b=4, s_q=2, h_q=64, topk=256, num_blocks=512, minus_one=0.0, seed=80)
+    raw = batch.k_cache.view(-1, batch.k_cache.shape[-1])
+    for r in range(6):                                   # rows (i, s) = divmod(r, 2); rows 6 and 7 stay clean
+        i, s = divmod(r, 2)
+        for k, (slot, code) in enumerate(((3 + r, 0x7F), (100 + r, 0xFF))):
+            byte = 128 * ((r + 2 * k) % 4) + 16 * r + (2 * r + 9 * k) % 16
+            raw[int(batch.indices[i, s, slot]), byte] = code
+    batch = batch.to("cuda")
+    out, lse = run(batch, "classic", backend=backend)
+    ref_out, ref_lse = reference(batch)
+    out, lse = out.cpu().float(), lse.cpu()
+    nan_rows = torch.isnan(ref_out).any(dim=-1)                                   # (b, s_q, h_q)
+    assert nan_rows[:3].all() and (~nan_rows).any(), "each poisoned row NaN, at least one clean row"
+    assert torch.equal(torch.isnan(out).all(dim=-1), nan_rows) and torch.equal(torch.isnan(out).any(dim=-1), nan_rows)
+    assert torch.equal(torch.isnan(lse), torch.isnan(ref_lse))
+    clean = ~nan_rows
+    rel = (out[clean] - ref_out[clean]).norm() / ref_out[clean].norm()
+    assert rel < SPARSE_OUT_TOL, f"{backend}: clean rows out rel-L2 {rel:.1e}"
 
 
 @pytest.mark.gpu

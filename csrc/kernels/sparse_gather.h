@@ -21,9 +21,11 @@
 //
 // Dequantisation: bf16(stored * scale * 2^-60), by the warpgroup that computes S, one unit just before its WGMMAs
 // (as the FP8 cache's widening). An e4m3 byte s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000, exactly stored *
-// 2^-120 (subnormals included), multiplied by C = scale * 2^60 split as C_hi + C_lo (two bf16), so the product is
-// rounded once (tests/test_sparse_dequant.py models it bit for bit). The 2^-60 keeps C a finite normal number from
-// the quantiser's smallest scale (2^-126) to 2^68 (latent values up to ~10^23); the kernel multiplies Q's latent
+// 2^-120 (subnormals included), multiplied by C = bf16(scale * 2^60): one bf16 multiply per pair of values, so the
+// key is rounded twice (C and the product), at most one unit in the last place from the once-rounded value (C split
+// into two bf16 to round once cost 4 % more on the sparse rows; tests/test_sparse_dequant.py models the arithmetic
+// bit for bit). The 2^-60 keeps C a finite normal number from the quantiser's smallest scale (2^-126) to just below
+// 2^68 (latent values up to ~10^23); the kernel multiplies Q's latent
 // columns by 2^60 (exact) and the output by 2^60 (SplitKvScales::out), so S and O come out unscaled.
 #pragma once
 
@@ -51,10 +53,15 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t word, uint3
   return (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
 }
 
-// 16 e4m3 values -> 16 bf16 values stored * scale * 2^-60 (0..7 in lo, 8..15 in hi), given C = scale * 2^60 as
-// (hi, lo) bf16 pairs. NaN stays NaN (as the reference's float32 dequantisation has it).
-__device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat162 c_hi, __nv_bfloat162 c_lo,
-                                                   uint4& lo, uint4& hi) {
+// Bit 7 of each byte of the result is set where that byte of `word` is an e4m3 NaN (s.1111.111): its low seven bits
+// are all ones, so they carry into bit 7 once incremented.
+__device__ __forceinline__ uint32_t e4m3x4_nan_flags(uint32_t word) {
+  return ((word & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
+}
+
+// 16 e4m3 values -> 16 bf16 values bf16(stored * 2^-120 * C) (0..7 in lo, 8..15 in hi), C = bf16(scale * 2^60) in
+// both halves of `c`: one multiply per pair. NaN stays NaN (as the reference's float32 dequantisation has it).
+__device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat162 c, uint4& lo, uint4& hi) {
   const uint32_t words[4] = {in.x, in.y, in.z, in.w};
   uint32_t out[8];
   CUTE_UNROLL
@@ -62,20 +69,24 @@ __device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat1
     CUTE_UNROLL
     for (int half = 0; half < 2; ++half) {
       const uint32_t bits = e4m3x2_to_bf16x2_scaled(words[w], half == 0 ? 0x1404u : 0x3424u);
-      const __nv_bfloat162 x = *reinterpret_cast<const __nv_bfloat162*>(&bits);
-      const __nv_bfloat162 y = __hfma2(x, c_hi, __hmul2(x, c_lo));
+      const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), c);
       out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&y);
     }
   }
-  // e4m3 NaN (s.1111.111) would come out finite: a byte whose low seven bits are all ones carries into bit 7
-  // once they are incremented. Rare, so the fix is off the common path.
-  uint32_t nan_bytes = 0;
-  CUTE_UNROLL
-  for (int w = 0; w < 4; ++w) nan_bytes |= ((words[w] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-  if (nan_bytes != 0) {
+  // An e4m3 NaN would come out finite. Rare: the common path only tests for one, and the fix is short (a short
+  // fix measured 6 % faster on the sparse rows than a per-value loop, whose code crowded the instruction cache):
+  // the flag bit of byte 2 k + i, replicated into a 16-bit mask by prmt's sign mode, makes half i of out[k] NaN.
+  const uint32_t any_nan = e4m3x4_nan_flags(words[0]) | e4m3x4_nan_flags(words[1]) | e4m3x4_nan_flags(words[2]) |
+                           e4m3x4_nan_flags(words[3]);
+  if (any_nan != 0) {
     CUTE_UNROLL
-    for (int e = 0; e < 16; ++e) {
-      if ((words[e / 4] >> (8 * (e % 4)) & 0x7F) == 0x7F) out[e / 2] |= 0x7FFFu << (16 * (e % 2));
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t flags = e4m3x4_nan_flags(words[w]);
+      uint32_t mask_low, mask_high;     // bytes 0, 1 -> out[2 w]; bytes 2, 3 -> out[2 w + 1]
+      asm("prmt.b32 %0, %1, 0, 0x9988;\n" : "=r"(mask_low) : "r"(flags));
+      asm("prmt.b32 %0, %1, 0, 0xBBAA;\n" : "=r"(mask_high) : "r"(flags));
+      out[2 * w] |= mask_low & 0x7FFF7FFFu;
+      out[2 * w + 1] |= mask_high & 0x7FFF7FFFu;
     }
   }
   lo = make_uint4(out[0], out[1], out[2], out[3]);
@@ -159,11 +170,8 @@ struct SparseGather {
       __syncwarp();
       CUTE_UNROLL
       for (int k = 0; k < kPassesAtOnce; ++k) {
-        const float c = scale[k] * kSparseKScale;
-        const __nv_bfloat16 c_hi = __float2bfloat16_rn(c);
-        const __nv_bfloat16 c_lo = __float2bfloat16_rn(c - __bfloat162float(c_hi));
         uint4 lo, hi;
-        dequantize_e4m3x16(bytes[k], __bfloat162bfloat162(c_hi), __bfloat162bfloat162(c_lo), lo, hi);
+        dequantize_e4m3x16(bytes[k], __float2bfloat162_rn(scale[k] * kSparseKScale), lo, hi);
         *reinterpret_cast<uint4*>(dst_first + (pass0 + k) * 16 * 128) = first ? hi : lo;
         *reinterpret_cast<uint4*>(dst_second + (pass0 + k) * 16 * 128) = first ? lo : hi;
       }
