@@ -95,7 +95,7 @@ def child(args):
 
     variant = (RawSparseExtension if args.sparse else RawExtension)(args.folders[0])
     anchors = [sxs.AnchorHeadSparse()] if args.sparse else [sxs.AnchorV1(), sxs.AnchorHead()]
-    for wi, (group, label, make, causal, s_q, h_q) in enumerate(workloads(sxs, args)):
+    for wi, (_group, _label, make, causal, _s_q, _h_q) in enumerate(workloads(sxs, args)):
         q, ks, bt, seqlens = make(wi)
         best, result = {}, None
         for _ in range(2):
@@ -146,7 +146,7 @@ def main():
             if run.returncode != 0 or len(rows) != len(work):
                 raise SystemExit(f"{name}: the timing process failed (exit {run.returncode}, {len(rows)} rows)")
             times[name] = [(r["variant"], r["anchor"]) for r in rows]
-        for wi, (group, label, *_rest) in enumerate(work):
+        for wi, (_group, label, *_rest) in enumerate(work):
             base = torch.load(os.path.join(tmp, names[0], f"{wi}.pt"))
             for name in names[1:] if not args.timing_only else []:
                 other = torch.load(os.path.join(tmp, name, f"{wi}.pt"))
@@ -156,7 +156,7 @@ def main():
 
     print("workload," + ",".join(f"{n}_us" for n in names) + ",anchor_us," + ",".join(f"ratio_{n}" for n in names))
     groups = {}
-    for wi, (group, label, make, causal, s_q, h_q) in enumerate(work):
+    for wi, (group, label, _make, _causal, s_q, h_q) in enumerate(work):
         ratios = [times[n][wi][1] / times[n][wi][0] for n in names]
         kind = group if group != "table" else ("compute" if s_q * h_q >= 128 else "memory")
         groups.setdefault(kind, []).append(ratios)
