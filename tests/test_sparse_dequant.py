@@ -27,9 +27,12 @@ def e4m3_values() -> torch.Tensor:
 def kernel_bits_to_bf16(codes: torch.Tensor) -> torch.Tensor:
     """sparse_gather.h e4m3x2_to_bf16x2_scaled, one code at a time: (b & 0x80) << 8 | (b & 0x7F) << 4."""
     b = codes.to(torch.int32)
-    bits = ((b & 0x80) << 8) | ((b & 0x7F) << 4)
-    bits = torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16)
-    return bits.view(torch.bfloat16).double()
+    return bf16_from_bits(((b & 0x80) << 8) | ((b & 0x7F) << 4)).double()
+
+
+def bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
+    """int32 tensor of 16-bit patterns (0..0xFFFF) -> the bf16 values they encode."""
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -70,8 +73,7 @@ def test_bit_move_is_exact_for_every_code():
     for scale in (MIN_SCALE, 1.0, 2.0 ** 40):
         product = kernel_dequantize(moved, torch.tensor(scale, dtype=torch.float32)).float().bfloat16()
         bits = product.view(torch.int16).to(torch.int32) & 0xFFFF
-        patched = kernel_nan_patch(codes, bits)
-        patched = torch.where(patched >= 0x8000, patched - 0x10000, patched).to(torch.int16).view(torch.bfloat16)
+        patched = bf16_from_bits(kernel_nan_patch(codes, bits))
         assert torch.equal(torch.isnan(patched), ~finite)
         assert torch.equal(patched[finite].view(torch.int16), product[finite].view(torch.int16))
 
