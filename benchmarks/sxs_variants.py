@@ -10,6 +10,7 @@ referee's anchors on its workloads:
       (cd /tmp/e$e && NVCC_APPEND_FLAGS=-DFLASH_MLA_EXP=$e MAX_JOBS=8 python3 setup.py build_ext --inplace) &
     done; wait
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table /tmp/e0 /tmp/e1
+    python3 benchmarks/sxs_variants.py --anchors .anchors --rows "L=8192f h=128 s=2" /tmp/e0 /tmp/e1   # one row
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
 
 Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
@@ -82,9 +83,10 @@ def workloads(sxs, args):
                 for group, label, b, s_q, h_q, topk in sxs.sparse_workloads()]
     table = {"table": sxs.table_workloads(), "beyond": sxs.beyond_workloads(),
              "all": sxs.table_workloads() + sxs.beyond_workloads()}[args.only]
+    wanted = [w.strip() for w in args.rows.split(",")] if args.rows else None
     return [(group, label, (lambda wi, lens=lens, s_q=s_q, h_q=h_q:
                             sxs.make_workload(lens, s_q, h_q, 1, seed=1000 + wi)), True, s_q, h_q)
-            for group, label, lens, s_q, h_q in table]
+            for group, label, lens, s_q, h_q in table if wanted is None or any(w in label for w in wanted)]
 
 
 def child(args):
@@ -118,6 +120,8 @@ def main():
     ap.add_argument("--anchors", required=True, help="folder with the referee's sxs.py and compressed anchors")
     ap.add_argument("--only", default="all", choices=["table", "beyond", "all"])
     ap.add_argument("--sparse", action="store_true", help="the referee's sparse FP8 rows against upstream head")
+    ap.add_argument("--rows", help="comma-separated label substrings: only the dense workloads whose label "
+                                   "contains one (e.g. 'L=8192f h=128 s=2,L=8192f h=16 s=1')")
     ap.add_argument("--timing-only", action="store_true",
                     help="skip the agreement check (variants that deliberately compute something else)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -140,7 +144,8 @@ def main():
             save = os.path.join(tmp, name)
             os.makedirs(save)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
-                   "--only", args.only] + (["--sparse"] if args.sparse else []) + [folder]
+                   "--only", args.only] + (["--sparse"] if args.sparse else []) + \
+                  (["--rows", args.rows] if args.rows else []) + [folder]
             run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
             if run.returncode != 0 or len(rows) != len(work):

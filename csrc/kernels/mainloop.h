@@ -1,26 +1,34 @@
 // Mainloop of the split-KV kernel: page copies, their barriers, and the two warpgroups' "seesaw" schedule.
 //
-// Per pair of pages (a, b) of a piece, with m the running row maximum before the pair:
+// Per pair of pages (a, b) of a piece, with m the rows' reference before the pair and ref(m, x) the lazy
+// reference of softmax.h (m, unless the page maximum x passes it by more than a factor 2^8 of P):
 //
 //   kPageA (warpgroup 0, owns O_L = O[:, 0:256])      kPageB (warpgroup 1, owns O_R = O[:, 256:512])
 //   ------------------------------------------------  ------------------------------------------------
 //   S_a = Q K_a^T                       (WGMMA SS)     S_b = Q K_b^T                       (WGMMA SS)
-//   m_a = max(m, rowmax S_a)                           .
-//   P_a = exp2(S_a - m_a)                              .
+//   m_a = ref(m, rowmax S_a)                           m_b' = ref(m, rowmax S_b)
+//   P_a = exp2(S_a - m_a)                              P_b = exp2(S_b - m_b')
 //   post P_a, m_a, rowsum P_a ------- probs_posted[A] -> take P_a, m_a, rowsum P_a
-//   O_L = O_L * e^(m - m_a)                            m_b = max(m_a, rowmax S_b), P_b = exp2(S_b - m_b)
-//   O_L += P_a V_a[:, 0:256]            (WGMMA RS)     l = l e^(m - m_b) + rowsum P_a e^(m_a - m_b) + rowsum P_b
+//   O_L = O_L * e^(m - m_a)                            m_b = max(m_a, m_b'),  P_b = P_b * e^(m_b' - m_b)
+//   O_L += P_a V_a[:, 0:256]            (WGMMA RS)     l = l e^(m - m_b) + rowsum P_a e^(m_a - m_b)
+//                                                            + rowsum P_b e^(m_b' - m_b)
 //   take P_b, m_b, l <------------- probs_posted[B] -- post P_b, m_b, l
 //   O_L = O_L * e^(m_a - m_b)                          O_R = O_R * e^(m - m_b),  P_a = P_a * e^(m_a - m_b)
 //   O_L += P_b V_b[:, 0:256]            (WGMMA RS)     O_R += P_a V_a[:, 256:512]          (WGMMA RS)
 //                                                      O_R += P_b V_b[:, 256:512]          (WGMMA RS)
 //
 // (e^x here means exp2 of x times the softmax scale.) So one warpgroup's softmax runs while the other's WGMMAs
-// do, and S_b overlaps everything kPageA does between S_a and its wait for P_b. Rescales are skipped by warps
-// whose row maxima did not move (the common case); kPageB, which moves P_a to m_b instead of rescaling O_R
-// twice, issues both of its P V back to back. kPageA waits for P_a V_a before P_b V_b only when a row maximum
-// of the warpgroup moved: one vote for all four warps, since a wait taken by only some warps of a warpgroup puts
-// its WGMMA instructions at different PCs (wgmma is .aligned; synccheck reports it).
+// do, S_b overlaps everything kPageA does between S_a and its wait for P_b, and kPageB's softmax of b runs
+// while it waits for P_a: only the max of two references and the post lie between P_a and P_b. Every factor
+// above is 1 unless a reference moved, which lazy references make rare after a row's first page (a random-score
+// row's first page sets a reference its later pages do not pass by a factor 256); rescales are skipped by warps
+// whose factors are all 1. kPageB, which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V
+// back to back. kPageA waits for P_a V_a before P_b V_b only when a factor of the warpgroup is not 1: one vote
+// for all four warps, since a wait taken by only some warps of a warpgroup puts its WGMMA instructions at
+// different PCs (wgmma is .aligned; synccheck reports it). Measured by a clock64() probe of one CTA's pairs
+// (H100, b = 128, L = 8192, h_q 128, s_q 2), before lazy references: 6,550 cycles per pair, of which the tensor
+// pipe was busy ~4,350; kPageA's softmax 985 cycles, kPageB's 630 after P_a, and the waits for P_a V_a that a
+// moved maximum forces on nearly every pair (docs/PERF.md "Split kernel").
 // A piece with an odd number of pages ends with a pair without b: kPageB then only applies P_a and posts
 // m_b = m_a.
 //
@@ -465,7 +473,7 @@ struct SplitKvMainloop {
         mask_and_row_max(S, tScS, key0, piece.end, last_visible, m_a);
         CUTE_UNROLL
         for (int r = 0; r < kRowsPerThread; ++r) {
-          m_a[r] = fmaxf(stats.max[r], m_a[r]);
+          m_a[r] = lazy_reference(stats.max[r], m_a[r], scale_log2);
           scale[r] = rescale_factor(stats.max[r], m_a[r], scale_log2);
         }
         exponentiate(S, m_a, scale_log2, rowsum_a);
@@ -512,36 +520,43 @@ struct SplitKvMainloop {
         // ---- S_b = Q K_b^T (overlaps kPageA's softmax and P_a V_a) ---------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
-        float m_b[kRowsPerThread] = {-INFINITY, -INFINITY};
+        // ---- softmax of b against its own reference m_b' (no wait for kPageA's) -----------------------------
+        float ref_b[kRowsPerThread] = {stats.max[0], stats.max[1]};    // m_b'
+        float rowsum_b[kRowsPerThread] = {0.f, 0.f};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
           refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
-          mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, m_b);
+          float page_max[kRowsPerThread];
+          mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
+          CUTE_UNROLL
+          for (int r = 0; r < kRowsPerThread; ++r) ref_b[r] = lazy_reference(stats.max[r], page_max[r], scale_log2);
+          exponentiate(S, ref_b, scale_log2, rowsum_b);
+          to_operand(tSrS, tOrPb);
         }
 
-        // ---- take P_a, m_a, rowsum_a; softmax of b; post P_b, m_b, l ---------------------------------------
+        // ---- take P_a, m_a, rowsum_a; the pair's reference m_b = max(m_a, m_b'); post P_b, m_b, l ----------
         Barrier::wait(&smem.probs_posted[kPageAPosted], phases.mailbox);
         const float4 from_a = smem.stats[wg_thread];
         take_probs(smem, tOrPa);
         const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
         const float rowsum_a[kRowsPerThread] = {from_a.z, from_a.w};
-        float rowsum_b[kRowsPerThread] = {0.f, 0.f};
-        CUTE_UNROLL
-        for (int r = 0; r < kRowsPerThread; ++r) m_b[r] = fmaxf(m_a[r], m_b[r]);
-        if (has_b) {
-          exponentiate(S, m_b, scale_log2, rowsum_b);
-          to_operand(tSrS, tOrPb);
-          post_probs(smem, tOrPb);
-        }
-        float scale_ab[kRowsPerThread], scale_b[kRowsPerThread];
+        float m_b[kRowsPerThread], scale_ab[kRowsPerThread], scale_b[kRowsPerThread], scale_own[kRowsPerThread];
         CUTE_UNROLL
         for (int r = 0; r < kRowsPerThread; ++r) {
+          m_b[r] = fmaxf(m_a[r], ref_b[r]);
           const float scale_a = rescale_factor(stats.max[r], m_a[r], scale_log2);    // m -> m_a
           scale_b[r] = rescale_factor(m_a[r], m_b[r], scale_log2);                   // m_a -> m_b
           scale_ab[r] = rescale_factor(stats.max[r], m_b[r], scale_log2);            // m -> m_b
-          stats.sum[r] = (stats.sum[r] * scale_a + rowsum_a[r]) * scale_b[r] + rowsum_b[r];
+          scale_own[r] = rescale_factor(ref_b[r], m_b[r], scale_log2);               // m_b' -> m_b
+          stats.sum[r] = (stats.sum[r] * scale_a + rowsum_a[r]) * scale_b[r] + rowsum_b[r] * scale_own[r];
           stats.max[r] = m_b[r];
+        }
+        if (has_b) {
+          // P_b moves to m_b only where kPageA's reference passed this one (rare once the rows have references).
+          Tensor Pb = as_rows_cols(make_tensor(tOrPb.data(), tSrS.layout()));                 // (ROW, COL)
+          scale_probs(Pb, scale_own);
+          post_probs(smem, tOrPb);
         }
         smem.stats[wg_thread] = make_float4(m_b[0], m_b[1], stats.sum[0], stats.sum[1]);
         Barrier::arrive(&smem.probs_posted[kPageBPosted]);

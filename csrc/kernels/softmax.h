@@ -1,8 +1,13 @@
 // Online softmax of the split-KV kernel, on one warpgroup's S accumulator (64 query rows x one 64-key page).
 //
-// Scores stay raw (unscaled) until exp2: P = exp2(S * scale_log2 - m * scale_log2), where m is the running
-// row maximum of raw scores. A row that has seen no key yet has m = -inf; its "base" is 0 so that nothing
-// computes inf - inf, and every scale factor exp2(m_old * scale_log2 - base) from m_old = -inf is 0.
+// Scores stay raw (unscaled) until exp2: P = exp2(S * scale_log2 - m * scale_log2), where m is the row's
+// reference: a raw score at least as large as every score the row has seen minus kLazyRescaleLog2 / scale_log2
+// (so P <= 2^kLazyRescaleLog2). The reference moves only when a page's maximum passes it by more than that
+// (lazy_reference): then, and only then, O and the row sum are rescaled. Whatever the reference, O / l and
+// lse = m + log(l) are the same; a late reference only lets P grow up to 256, which a 16-bit P holds with its
+// full precision (bf16 and fp16 alike; fp16 has room up to 65504). A row that has seen no key yet has m = -inf;
+// its "base" is 0 so that nothing computes inf - inf, and every scale factor exp2(m_old * scale_log2 - base)
+// from m_old = -inf is 0.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -22,9 +27,23 @@ struct SplitKvScales {
 };
 
 struct RowStats {
-  float max[kRowsPerThread];    // running maximum of raw scores
+  float max[kRowsPerThread];    // the rows' references (raw scores; lazy_reference)
   float sum[kRowsPerThread];    // running softmax denominator, relative to exp2(max * scale_log2)
 };
+
+// How far (in log2 units of P) a page's maximum may pass a row's reference before the reference moves. With the
+// running maximum as the reference (0 here) nearly every page of a random-score row moves some row maximum of a
+// warpgroup, and each move costs a wait for the warpgroup's P V in flight plus 128 multiplies of O; with 8 a
+// reference set by a row's first page is rarely passed by 8 (a factor 256) later on.
+constexpr float kLazyRescaleLog2 = 8.f;
+
+// The reference a page is exponentiated against: `reference` while the page's maximum exceeds it by at most
+// kLazyRescaleLog2 in log2 units, else the page's maximum (a row's first key always sets it: -inf is passed by
+// anything; a page with no key leaves it).
+__device__ __forceinline__ float lazy_reference(float reference, float page_max, float scale_log2) {
+  const bool passed = reference == -INFINITY || (page_max - reference) * scale_log2 > kLazyRescaleLog2;
+  return passed ? fmaxf(reference, page_max) : reference;
+}
 
 __device__ __forceinline__ float exp2_base(float row_max, float scale_log2) {
   return row_max == -INFINITY ? 0.f : row_max * scale_log2;
@@ -104,8 +123,8 @@ __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[
   }
 }
 
-// True when one of this thread's rows has factor != 1 (a row maximum moved, or a NaN): only then does a
-// rescale change anything (x * 1 == x bitwise), and once rows have seen a few pages it rarely does.
+// True when one of this thread's rows has factor != 1 (a reference moved, or a NaN): only then does a rescale
+// change anything (x * 1 == x bitwise), and with lazy references it rarely does after a row's first page.
 __device__ __forceinline__ bool rows_need_rescale(const float (&factor)[kRowsPerThread]) {
   static_assert(kRowsPerThread == 2, "one vote over both rows");
   return factor[0] != 1.f || factor[1] != 1.f;
