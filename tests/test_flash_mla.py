@@ -274,6 +274,64 @@ def test_slice_widths_cover_the_design():
         assert schedule([length_with_pieces(pieces, pieces + 1)], pieces + 1)[1] == [0, pieces]
 
 
+LAZY_RESCALE_LOG2 = 8.0     # csrc/kernels/softmax.h kLazyRescaleLog2
+
+
+def page_scale(pattern: str, page: int) -> float:
+    """How much the keys (and so the values) of a sequence's page are scaled in test_softmax_references_that_move:
+    'rising' every page a little more; 'a_pages_jump' / 'b_pages_jump' only the first / second page of each pair,
+    by steps that pass a row's reference now and then (a random-score page maximum is ~3.5 log2 units per unit
+    of scale)."""
+    if pattern == "rising":
+        return 1.0 + 0.5 * page
+    jumping = page % 2 == (0 if pattern == "a_pages_jump" else 1)
+    return 1.0 + 1.5 * (page // 2) if jumping else 1.0
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("pattern", ["rising", "a_pages_jump", "b_pages_jump"])
+def test_softmax_references_that_move(pattern, dtype):
+    """Scores that pass a row's softmax reference by more than 2^8 (softmax.h lazy_reference) on later pages: on
+    every page ('rising'), only on pages a of a pair (kPageA's reference moves; kPageB moves its own P_b) or only
+    on pages b (kPageB's moves; kPageA rescales O between its two P V). The premise is checked on the scores of
+    row 0 (the Python mirror of lazy_reference sees the reference move on such pages), then every row of out is
+    compared with the float32 reference, row by row, and lse as everywhere."""
+    seqlens = [64 * 40 + 17, 64 * 9, 64 * 64]           # odd and even page counts, a partial last page
+    batch = make_decode_batch(seqlens, s_q=2, h_q=128, dtype=dtype, device="cuda", causal=True,
+                              generator=torch.Generator().manual_seed(41))
+    for i, length in enumerate(seqlens):
+        for page in range(-(-length // 64)):
+            block = int(batch.block_table[i, page])
+            batch.k_cache[block] = (batch.k_cache[block].float() * page_scale(pattern, page)).to(dtype)
+
+    # The premise: the rows of sequence 0's first token pass their references by more than 2^8 on pages of the
+    # intended kind only (which of a pair's pages: 0 = a, 1 = b), as lazy_reference sees them (whole pages).
+    full_pages = seqlens[0] // 64
+    keys = batch.k_cache[batch.block_table[0, :full_pages].long()].reshape(-1, 576).float()
+    scores = (batch.q[0, 0].float() @ keys.T) * (576 ** -0.5) * math.log2(math.e)        # (h_q, keys)
+    moved_on = set()
+    for row_maxima in scores.reshape(128, full_pages, 64).amax(-1).tolist():
+        reference = -math.inf
+        for page, page_max in enumerate(row_maxima):
+            if reference == -math.inf or page_max - reference > LAZY_RESCALE_LOG2:
+                if reference != -math.inf:
+                    moved_on.add(page % 2)
+                reference = max(reference, page_max)
+    expected = {"rising": {0, 1}, "a_pages_jump": {0}, "b_pages_jump": {1}}[pattern]
+    assert moved_on == expected, f"the reference moved on pages {moved_on} of a pair, wanted {expected}"
+
+    rows = 2 * 128
+    md, ns = flash_mla.get_mla_metadata(batch.cache_seqlens, rows, 1)
+    out, lse = flash_mla.flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens,
+                                                512, md, ns, causal=True)
+    ref_out, ref_lse = reference_for(batch, on_device=True)
+    assert_close(compare(out, lse, ref_out, ref_lse), dtype, pattern)
+    row_err = (out.float() - ref_out.float()).norm(dim=-1) / ref_out.float().norm(dim=-1)
+    worst = row_err.max().item()
+    assert worst < 3 * {torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype], f"{pattern}: worst row error {worst:.2e}"
+
+
 def _has_attn_sink():
     return "attn_sink" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
 
