@@ -495,7 +495,7 @@ struct SplitKvMainloop {
           take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
-          // O_L may be rescaled only once P_a V_a is done; when no row maximum of the warpgroup moved (the
+          // O_L may be rescaled only once P_a V_a is done; when no reference of the warpgroup moved (the
           // common case) P_b V_b queues behind P_a V_a without a wait. One vote for the whole warpgroup.
           if (warpgroup_any(WarpgroupBarrier::kRescaleVoted, kWarpgroup, rows_need_rescale(scale))) {
             wait_pv(tOrO);

@@ -9,7 +9,7 @@ namespace flash_mla {
 // Barriers inside one warpgroup (128 threads); ids are this value + the warpgroup's index.
 enum class WarpgroupBarrier : uint32_t {
   kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (ids 2, 3)
-  kRescaleVoted = 4,      // every thread of the warpgroup voted on "some row maximum moved" (ids 4, 5)
+  kRescaleVoted = 4,      // every thread of the warpgroup voted on "some row reference moved" (ids 4, 5)
   kUnitWidened = 6,       // FP8 cache: the warpgroup widened a page unit for its S (ids 6, 7)
 };
 
