@@ -11,6 +11,7 @@ referee's anchors on its workloads:
     done; wait
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table /tmp/e0 /tmp/e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --rows "L=8192f h=128 s=2" /tmp/e0 /tmp/e1   # one row
+    python3 benchmarks/sxs_variants.py --anchors .anchors --only table --repeat 2 /tmp/e0 /tmp/e1     # e0 e1 e0 e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
 
 Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
@@ -124,6 +125,9 @@ def main():
                                    "contains one (e.g. 'L=8192f h=128 s=2,L=8192f h=16 s=1')")
     ap.add_argument("--timing-only", action="store_true",
                     help="skip the agreement check (variants that deliberately compute something else)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="time the whole list of variants this many times, one process each, in order (A B A B ...): "
+                         "compute-bound rows drift by a few %% between processes, so compare the repeats")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("folders", nargs="+", help="one built tree per variant; the first is the baseline")
@@ -137,10 +141,12 @@ def main():
     names = [os.path.basename(os.path.normpath(f)) for f in args.folders]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant folders need distinct names: {names}")
+    folders = list(args.folders) * args.repeat
+    names = [n if r == 0 else f"{n}#{r + 1}" for r in range(args.repeat) for n in names]
     work = workloads(sxs, args)
     times = {}   # name -> list of (variant seconds, anchor seconds) per workload
     with tempfile.TemporaryDirectory() as tmp:
-        for name, folder in zip(names, args.folders):
+        for name, folder in zip(names, folders):
             save = os.path.join(tmp, name)
             os.makedirs(save)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
