@@ -42,7 +42,11 @@
 // piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
 // buffer (possibly the next piece's) as soon as it is done with it (listed in splitkv_traits.h): the RoPE unit
 // right after S, each V half after its last P V. S takes its K blocks in the order the units are refilled (RoPE
-// first), so it starts before the page has landed. Slots past a sequence's end arrive as the cache holds them
+// first), so it starts before the page has landed. Only S waits for units: the other warpgroup's P V (and its
+// zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted after its waits, and
+// the PTX memory model orders the copy's writes before those reads by causality (the unit's phase completion is
+// observed by the S thread, whose release arrive the reader's acquire wait observes). The re-waits were polls of
+// phases long complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md). Slots past a sequence's end arrive as the cache holds them
 // (maybe NaN): S masks those keys and, for a 16-bit cache, each warpgroup zeroes those V rows of a piece's
 // partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
@@ -306,10 +310,6 @@ struct SplitKvMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
   }
 
-  __device__ static void wait_units(SharedStorage& smem, int stage, uint32_t phase, int first_unit, int num_units) {
-    for (int u = 0; u < num_units; ++u) Barrier::wait(&smem.unit_full[stage][first_unit + u], phase);
-  }
-
   // ============================================ WGMMA =======================================================
 
   // S = Q K^T over the page in buffer `stage`, K blocks in unit-refill order (RoPE first), each unit waited for
@@ -501,9 +501,8 @@ struct SplitKvMainloop {
             wait_pv(tOrO);
             scale_rows(O, scale);
           }
-          wait_units(smem, 1, phases.page[1], 0, kVHalfUnits);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
-          issue_pv(tOrPb, tOrVb, tOrO);
+          issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
           wait_pv(tOrO);
@@ -571,9 +570,8 @@ struct SplitKvMainloop {
         scale_rows(O, scale_ab);
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
-        wait_units(smem, 0, phases.page[0], kVHalfUnits, kVHalfUnits);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
-        issue_pv(tOrPa, tOrVa, tOrO);
+        issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
