@@ -40,10 +40,11 @@ void walk_part(const flash_mla::DecodeParams& p, int part) {
     const flash_mla::Piece piece = range.piece(seq);
     printf("piece %d %d %d %d %d\n", piece.seq, piece.begin, piece.end, int(piece.split), piece.slot);
     const int num_pages = piece.num_pages();
+    const flash_mla::PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
-      const flash_mla::PageBlock next_a = range.next_block(piece, page, 0);
-      const flash_mla::PageBlock next_b = range.next_block(piece, page + 1, 1);
+      const flash_mla::PageBlock next_a = range.next_block(piece, page, 0, after_piece[0]);
+      const flash_mla::PageBlock next_b = range.next_block(piece, page + 1, 1, after_piece[1]);
       printf("page %d %d 0\n", seq, page);
       if (has_b) printf("page %d %d 1\n", seq, page + 1);
       if (page + 2 >= num_pages) printf("q %d\n", range.next_seq_using(piece.seq + 1, 0));

@@ -454,13 +454,14 @@ struct SplitKvMainloop {
     Barrier::wait(&smem.q_full, phases.q);
     widen_q(p, smem, kWarpgroup);
 
+    const PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
       // What the two buffers receive once this pair is done with them, looked up now so that the block-table
       // reads are not on the refills' path.
-      const PageBlock next_a = range.next_block(piece, page, 0);
-      const PageBlock next_b = range.next_block(piece, page + 1, 1);
+      const PageBlock next_a = range.next_block(piece, page, 0, after_piece[0]);
+      const PageBlock next_b = range.next_block(piece, page + 1, 1, after_piece[1]);
 
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------

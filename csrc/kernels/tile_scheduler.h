@@ -96,12 +96,19 @@ class PieceRange {
     return block_of(next_seq_using(begin_seq_, stage), stage);
   }
 
-  // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now).
-  FLASH_MLA_HOST_DEVICE PageBlock next_block(const Piece& current, int page, int stage) const {
+  // Physical block of the first page buffer `stage` receives after the pages of `current` (or kNoBlock).
+  FLASH_MLA_HOST_DEVICE PageBlock first_block_after(const Piece& current, int stage) const {
+    return block_of(next_seq_using(current.seq + 1, stage), stage);
+  }
+
+  // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now);
+  // `after` = first_block_after(current, stage), looked up once per piece so that the pair loop holds no
+  // search over the following pieces (cold code between its hot blocks costs instruction fetches).
+  FLASH_MLA_HOST_DEVICE PageBlock next_block(const Piece& current, int page, int stage, PageBlock after) const {
     if (page + 2 < current.num_pages()) {
       return page_block(current.seq, current.begin / kPageBlockSize + page + 2, current.split, current.end);
     }
-    return block_of(next_seq_using(current.seq + 1, stage), stage);
+    return after;
   }
 
  private:
