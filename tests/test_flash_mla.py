@@ -332,6 +332,49 @@ def test_softmax_references_that_move(pattern, dtype):
     assert worst < 3 * {torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype], f"{pattern}: worst row error {worst:.2e}"
 
 
+def piece_page_counts(metadata_rows, length):
+    """Pages of each piece of sequence 0 (b = 1) in a plan's metadata rows, in order."""
+    sizes = []
+    for begin_seq, begin_token, end_seq, end_token, *_ in metadata_rows:
+        if begin_seq <= 0 <= end_seq:
+            begin = begin_token if begin_seq == 0 else 0
+            end = end_token if end_seq == 0 else length
+            if end > begin:
+                sizes.append(-(-end // 64) - begin // 64)
+    return sizes
+
+
+def plan_with_pieces(pages, last_pages):
+    """(SM parts, length) of a b = 1 call cut into >= 3 pieces of `pages` pages and a last one of `last_pages`, its
+    last page partial (37 tokens), found with the scheduler's Python twin."""
+    for parts in range(4, 40):
+        for num_pages in range(pages, pages * parts + 10):
+            length = (num_pages - 1) * 64 + 37
+            sizes = piece_page_counts(schedule([length], parts)[0], length)
+            if len(sizes) >= 3 and set(sizes[:-1]) == {pages} and sizes[-1] == last_pages:
+                return parts, length
+    raise AssertionError(f"no plan with pieces of {pages} pages and a last one of {last_pages}")
+
+
+PIECE_SHAPES = [(1, 1), (2, 1), (2, 2), (3, 1), (3, 2), (3, 3)]
+
+
+@needs_hopper
+@pytest.mark.parametrize("h_q", [16, 128])
+@pytest.mark.parametrize("pages,last_pages", PIECE_SHAPES, ids=[f"{p}x{q}" for p, q in PIECE_SHAPES])
+def test_pieces_of_few_pages(pages, last_pages, h_q):
+    """The seesaw's edge shapes, one per piece: pieces of 1, 2 and 3 pages (a pair without page b, one whole pair,
+    a pair and a half) and a last piece whose partial last page (NaN past the length) sits in buffer a or b, on
+    one-tile (h_q 16) and four-tile (h_q 128, s_q 2) grids: every element written and equal to the float32
+    reference."""
+    parts, length = plan_with_pieces(pages, last_pages)
+    tiles = -(-2 * h_q // 64)
+    _, (md, _ns), _, _, metrics = run_case([length], 2, h_q, num_sms=parts * tiles, seed=pages * 10 + last_pages)
+    sizes = piece_page_counts(md.cpu().tolist(), length)
+    assert set(sizes[:-1]) == {pages} and sizes[-1] == last_pages, sizes
+    assert_close(metrics, torch.bfloat16, f"pieces of {sizes} pages, h_q={h_q}")
+
+
 def _has_attn_sink():
     return "attn_sink" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
 
