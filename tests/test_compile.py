@@ -95,6 +95,15 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
     assert found == expected, f"expected {expected} {kernel} instantiations in the ptxas report, found {found}"
 
 
+@pytest.mark.parametrize("program", sorted((ROOT / "benchmarks").glob("*.cu")), ids=lambda p: p.name)
+def test_benchmark_programs_compile(program, tmp_path):
+    """The stand-alone GPU programs under benchmarks/ (page streaming, instruction rates) compile for sm_90a with
+    the command their headers give, so that a lent GPU's time is not spent on a build error."""
+    proc = subprocess.run([NVCC, "-O3", "-std=c++17", "-gencode", "arch=compute_90a,code=sm_90a", "-c", str(program),
+                           "-o", str(tmp_path / (program.stem + ".o"))], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
 def test_programmatic_dependent_launch_is_compiled(tmp_path):
     """The combine kernel waits in griddepcontrol.wait, and the split kernel's trigger (CUTLASS's
     launch_dependent_grids, a no-op unless CUTLASS_ENABLE_GDC_FOR_SM90 is defined) really is an instruction under
