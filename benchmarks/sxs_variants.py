@@ -61,23 +61,18 @@ class RawExtension:
 
 
 class RawFp8Extension(RawExtension):
-    """The same build's FP8-cache path (--fp8): q and each cache copy quantised per tensor to e4m3, as the referee's
-    `sxs.py --fp8` does, timed against the anchors' bf16 on the original tensors."""
+    """The same build's FP8-cache path (--fp8): q and each cache copy quantised per tensor to e4m3 by the referee's
+    own `sxs.FlashMLAFp8.prepare` (q8 / dq / k8), timed against the anchors' bf16 on the original tensors."""
 
     def prepare(self, q, ks):
-        import torch
-
-        def quantise(x):
-            scale = (x.abs().amax().float() / 448.0).clamp_min(1e-12).reshape(1)
-            return (x.float() / scale).to(torch.float8_e4m3fn), scale
-        self.q8, self.descale_q = quantise(q)
-        self.k8 = {k.data_ptr(): quantise(k) for k in ks}
+        import sxs    # on sys.path in the child process
+        sxs.FlashMLAFp8.prepare(self, q, ks)
 
     def decode(self, q, k, bt, seqlens, plan, causal):
         md, ns = plan
         k8, descale_k = self.k8[k.data_ptr()]
         return tuple(self.mod.mla_decode(self.q8, k8, bt, seqlens, 512, md, ns, 576 ** -0.5, causal,
-                                         descale_q=self.descale_q, descale_k=descale_k))
+                                         descale_q=self.dq, descale_k=descale_k))
 
 
 class RawSparseExtension(RawExtension):

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flash_mla
 from flash_mla.backends import cuda_extension
-from flash_mla.scheduler import get_mla_metadata_twin, schedule
+from flash_mla.scheduler import get_mla_metadata_twin, pieces_of_part, schedule
 from flash_mla.testing import (assert_close, compare, cuda_median_seconds, decode_flops_and_bytes,
                                make_decode_batch, poison_cuda_allocator, random_seqlens, reference_for)
 
@@ -332,16 +332,11 @@ def test_softmax_references_that_move(pattern, dtype):
     assert worst < 3 * {torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype], f"{pattern}: worst row error {worst:.2e}"
 
 
-def piece_page_counts(metadata_rows, length):
-    """Pages of each piece of sequence 0 (b = 1) in a plan's metadata rows, in order."""
-    sizes = []
-    for begin_seq, begin_token, end_seq, end_token, *_ in metadata_rows:
-        if begin_seq <= 0 <= end_seq:
-            begin = begin_token if begin_seq == 0 else 0
-            end = end_token if end_seq == 0 else length
-            if end > begin:
-                sizes.append(-(-end // 64) - begin // 64)
-    return sizes
+def piece_page_counts(metadata_rows, num_splits, length):
+    """Pages of each piece of a b = 1 plan, in order (the pieces as the kernel walks them)."""
+    return [-(-piece.end_token // 64) - piece.begin_token // 64
+            for row in metadata_rows for piece in pieces_of_part(row, [length], num_splits)
+            if piece.end_token > piece.begin_token]
 
 
 def plan_with_pieces(pages, last_pages):
@@ -350,7 +345,7 @@ def plan_with_pieces(pages, last_pages):
     for parts in range(4, 40):
         for num_pages in range(pages, pages * parts + 10):
             length = (num_pages - 1) * 64 + 37
-            sizes = piece_page_counts(schedule([length], parts)[0], length)
+            sizes = piece_page_counts(*schedule([length], parts), length)
             if len(sizes) >= 3 and set(sizes[:-1]) == {pages} and sizes[-1] == last_pages:
                 return parts, length
     raise AssertionError(f"no plan with pieces of {pages} pages and a last one of {last_pages}")
@@ -369,8 +364,8 @@ def test_pieces_of_few_pages(pages, last_pages, h_q):
     reference."""
     parts, length = plan_with_pieces(pages, last_pages)
     tiles = -(-2 * h_q // 64)
-    _, (md, _ns), _, _, metrics = run_case([length], 2, h_q, num_sms=parts * tiles, seed=pages * 10 + last_pages)
-    sizes = piece_page_counts(md.cpu().tolist(), length)
+    _, (md, ns), _, _, metrics = run_case([length], 2, h_q, num_sms=parts * tiles, seed=pages * 10 + last_pages)
+    sizes = piece_page_counts(md.cpu().tolist(), ns.cpu().tolist(), length)
     assert set(sizes[:-1]) == {pages} and sizes[-1] == last_pages, sizes
     assert_close(metrics, torch.bfloat16, f"pieces of {sizes} pages, h_q={h_q}")
 

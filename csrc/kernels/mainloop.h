@@ -46,9 +46,9 @@
 // zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted after its waits, and
 // the PTX memory model orders the copy's writes before those reads by causality (the unit's phase completion is
 // observed by the S thread, whose release arrive the reader's acquire wait observes). The re-waits were polls of
-// phases long complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md). Slots past a sequence's end arrive as the cache holds them
-// (maybe NaN): S masks those keys and, for a 16-bit cache, each warpgroup zeroes those V rows of a piece's
-// partial last page before its P V (zero_tail_rows).
+// phases long complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md).
+// Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
+// cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
