@@ -175,8 +175,8 @@ struct SplitKvMainloop {
 
   // ================================ FP8 cache: widening in shared memory =====================================
 
-  // Widens unit `unit` of `tile` (a page buffer or the Q tile) in place: its e4m3 rows (128 bytes each at the
-  // start of the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
+  // Widens unit `unit` of page buffer `tile` in place: its e4m3 rows (128 bytes each, swizzled, at the start of
+  // the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
   // Lane group t / 8 of the warpgroup owns rows first_row + t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
@@ -191,7 +191,9 @@ struct SplitKvMainloop {
     const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = first_row + t / 8;
     const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
     char* tile_bytes = reinterpret_cast<char*>(tile);
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + i * 16;
+    // The raw rows carry TMA's 128-byte swizzle (chunk i of row r at chunk i ^ (r % 8)): 16 rows further on is
+    // the same permutation.
+    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + (i ^ (row0 % 8)) * 16;
     const int seg = Traits::first_segment(unit) + i / 4;
     const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
     // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.
@@ -212,9 +214,9 @@ struct SplitKvMainloop {
     }
   }
 
-  // The Q tile after q_full: an e4m3 q widens like a page (each warpgroup takes 32 rows), a bf16 q is rounded to
-  // fp16 chunk by chunk (each thread rewrites the chunks it read); then both warpgroups wait for each other.
-  // Every row's bytes are in place (rows past rows_per_kv are zeros). Nothing to do for an fp16 q.
+  // The Q tile after q_full, FP8 cache: a bf16 q is rounded to fp16 chunk by chunk (each thread rewrites the
+  // chunks it read); then both warpgroups wait for each other. Every row's bytes are in place (rows past
+  // rows_per_kv are zeros). Nothing to do for an fp16 q, nor for an e4m3 one (kE4m3Scores: S reads its bytes).
   // Sparse cache: Q's latent columns are multiplied by 2^60 instead (sparse_gather.h, dequantisation).
   __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
     if constexpr (Traits::kSparse) {
@@ -223,16 +225,11 @@ struct SplitKvMainloop {
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
                    : "memory");
     }
-    if constexpr (Traits::kFp8Cache) {
-      if (p.q_format == kQAsMath) return;
-      if (p.q_format == kQFp8) {
-        CUTE_UNROLL
-        for (int unit = 0; unit < kUnits; ++unit) widen_unit<2>(smem.q.data(), unit, 32 * warpgroup, kBlockN);
-      } else {
-        constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
-        uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
-        for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
-      }
+    if constexpr (Traits::kFp8Cache && !Traits::kE4m3Scores) {
+      if (p.q_format != kQBf16) return;
+      constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
+      uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
+      for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
       // Both warpgroups; the non-.aligned form, since warps may arrive here unconverged (synccheck).
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
@@ -261,11 +258,12 @@ struct SplitKvMainloop {
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
-  // Issued by one warpgroup; arrives on q_full. An e4m3 q is copied as bytes in the units of an fp8 page (widen_q
-  // widens it), a bf16 q for fp16 math as it is (widen_q rounds it).
+  // Issued by one warpgroup; arrives on q_full. An e4m3 q (kE4m3Scores) is copied as bytes in SmemLayoutQ8, a
+  // bf16 q for fp16 math as it is (widen_q rounds it).
   __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
-    if constexpr (Traits::kFp8Cache) {
-      if (p.q_format == kQFp8) return load_q_bytes(p, smem, seq, kv_head, m_tile);
+    if constexpr (Traits::kE4m3Scores) {
+      load_q_bytes(p, smem, seq, kv_head, m_tile);
+      return;
     }
     const int wg_thread = threadIdx.x % kWgThreads;
     const Element* q = static_cast<const Element*>(p.q);
@@ -285,8 +283,9 @@ struct SplitKvMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
   }
 
-  // An e4m3 Q tile: 16-byte chunk i of unit j of row r goes to byte 128 r + 16 i of the unit (widen_unit's
-  // input); thread t copies chunk t % 8 of rows t / 8 + 16 i of every unit (the RoPE unit has 4 chunks).
+  // An e4m3 Q tile in SmemLayoutQ8: 16-byte chunk i of unit j of row r goes to byte 8192 j + 128 r + 16 (i ^ r % 8)
+  // (the 128-byte swizzle); thread t copies chunk t % 8 of rows t / 8 + 16 i of every unit. The RoPE unit has 4
+  // chunks; its columns 576..639 are never read (S skips those K blocks).
   __device__ static void load_q_bytes(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
     const int wg_thread = threadIdx.x % kWgThreads, chunk = wg_thread % 8;
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
@@ -302,7 +301,7 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int unit = 0; unit < kUnits; ++unit) {
         if (chunk * 16 < kHeadDimQK - unit * Traits::kUnitCols) {
-          cp_async_16_zfill(tile + Traits::first_segment(unit) * kSegmentBytes + tile_row * 128 + chunk * 16,
+          cp_async_16_zfill(tile + unit * Traits::kUnitBytes + tile_row * 128 + (chunk ^ (tile_row % 8)) * 16,
                             src + unit * Traits::kUnitCols + chunk * 16, valid);
         }
       }
@@ -320,37 +319,86 @@ struct SplitKvMainloop {
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
                                                    FragS& tSrS) {
     using namespace cute;
-    typename Traits::TiledMmaS mma;
+    if constexpr (Traits::kE4m3Scores) {
+      compute_s_e4m3(smem, stage, phase, warpgroup, valid_rows, tSrQ, tSrK, tSrS);
+    } else {
+      typename Traits::TiledMmaS mma;
+      warpgroup_fence_operand(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < kUnits; ++i) {
+        const int unit = (i + kRopeUnit) % kUnits;
+        Barrier::wait(&smem.unit_full[stage][unit], phase);
+        if constexpr (Traits::kFp8Cache) {
+          widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
+          cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+          __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
+          warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+        } else if constexpr (Traits::kSparse) {
+          if (unit != kRopeUnit) {
+            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
+            cutlass::arch::fence_view_async_shared();
+            warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+          } else {
+            cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
+          }
+        }
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
+          const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
+          mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+        }
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+    }
+  }
+
+  // kE4m3Scores: S = Q K^T over the page in buffer `stage` on the e4m3 tensor cores, straight from the copied
+  // bytes (K blocks in unit-refill order, RoPE first: its two K blocks of real columns only), one commit group
+  // per unit; then the four V units are widened in place (and their rows past `valid_rows` zeroed) as the
+  // WGMMAs reading them complete, unit v behind the WGMMAs of the units after it. Widening a unit overwrites
+  // its bytes, so each waits for its own group (wgmma.wait_group: the WGMMAs and their shared-memory reads are
+  // complete). Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
+  template <class FragQ, class FragK, class FragS>
+  __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
+                                                        int warpgroup, int valid_rows, const FragQ& tSrQ,
+                                                        const FragK& tSrK, FragS& tSrS) {
+    using namespace cute;
+    typename Traits::TiledMmaS8 mma;
+    static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
     warpgroup_fence_operand(tSrS);
     CUTE_UNROLL
     for (int i = 0; i < kUnits; ++i) {
       const int unit = (i + kRopeUnit) % kUnits;
       Barrier::wait(&smem.unit_full[stage][unit], phase);
-      if constexpr (Traits::kFp8Cache) {
-        widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
-        cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-        __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
-        warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-      } else if constexpr (Traits::kSparse) {
-        if (unit != kRopeUnit) {
-          Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
-          cutlass::arch::fence_view_async_shared();
-          warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-        } else {
-          cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
-        }
-      }
       warpgroup_arrive();
+      const int k_blocks = unit == kRopeUnit ? Traits::kE4m3RopeKBlocks : Traits::kE4m3KBlocksPerUnit;
       CUTE_UNROLL
-      for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
-        const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
+      for (int kk = 0; kk < k_blocks; ++kk) {
         mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+        // Q's unit j is its columns [128 j, + 128); the page's unit j is columns [256 j, + 128) of SmemLayoutK8.
+        gemm(mma, tSrQ(_, _, unit * Traits::kE4m3KBlocksPerUnit + kk),
+             tSrK(_, _, 2 * unit * Traits::kE4m3KBlocksPerUnit + kk), tSrS);
       }
+      warpgroup_commit_batch();
     }
-    warpgroup_commit_batch();
+    // Groups in flight, oldest first: RoPE, V units 0, 1, 2, 3.
+    char* page = reinterpret_cast<char*>(smem.k[stage].data());
+    warpgroup_wait<3>();
+    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 0, 0, valid_rows);
+    warpgroup_wait<2>();
+    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 1, 0, valid_rows);
+    warpgroup_wait<1>();
+    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 2, 0, valid_rows);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
+    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 3, 0, valid_rows);
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+    __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
+    warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
   }
 
   // O += P V over this warpgroup's 256 columns; issued, not waited for.
@@ -424,8 +472,23 @@ struct SplitKvMainloop {
                             typename Traits::SmemLayoutK{});                                   // (BLK_N, D_QK)
     Tensor sVa = make_tensor(make_smem_ptr(smem.k[0].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
     Tensor sVb = make_tensor(make_smem_ptr(smem.k[1].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
-    Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);                                          // (MMA, 1, 36)
-    Tensor tSrK = thr_mma_s.partition_fragment_B(sK);                                          // (MMA, 1, 36)
+    // S's operands: 16-bit (MMA, 1, 36) K blocks of 16 columns, or e4m3 ones (kE4m3Scores) of 32 columns:
+    // Q (MMA, 1, 20) and the page's 1152-column view (MMA, 1, 36), of which S reads 18.
+    auto score_operand = [&](auto a_operand, auto* base, auto layout, auto&& tensor16) {
+      if constexpr (Traits::kE4m3Scores) {
+        using E4m3 = typename Traits::E4m3;
+        auto thr_mma_s8 = typename Traits::TiledMmaS8{}.get_slice(wg_thread);
+        Tensor s8 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(base)), layout);
+        if constexpr (decltype(a_operand)::value) return thr_mma_s8.partition_fragment_A(s8);
+        else return thr_mma_s8.partition_fragment_B(s8);
+      } else if constexpr (decltype(a_operand)::value) {
+        return thr_mma_s.partition_fragment_A(tensor16);
+      } else {
+        return thr_mma_s.partition_fragment_B(tensor16);
+      }
+    };
+    auto tSrQ = score_operand(true_type{}, smem.q.data(), typename Traits::SmemLayoutQ8{}, sQ);
+    auto tSrK = score_operand(false_type{}, smem.k[kWarpgroup].data(), typename Traits::SmemLayoutK8{}, sK);
     Tensor tOrVa = thr_mma_o.partition_fragment_B(
         local_tile(sVa, Shape<ColsPerWg, BlockN>{}, make_coord(kWarpgroup, 0)));               // (MMA, 1, 4)
     Tensor tOrVb = thr_mma_o.partition_fragment_B(

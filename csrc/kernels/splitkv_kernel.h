@@ -73,9 +73,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   }
 }
 
-template <class Element, class CacheElement = Element>
+template <class Element, class CacheElement = Element, bool kE4m3Scores = false>
 void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
-  using Traits = SplitKvTraits<Element, CacheElement>;
+  using Traits = SplitKvTraits<Element, CacheElement, kE4m3Scores>;
   DecodeParams params = binding_params;
   if constexpr (!Traits::kSparse) {    // sparse tokens are gathered by cp.async, not TMA
     encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
