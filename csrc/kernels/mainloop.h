@@ -52,14 +52,17 @@
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
-// into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row. The warpgroup that computes
-// S on the page widens each unit just before its WGMMAs (widen_unit: e4m3 -> fp16 is exact), so S, the softmax
-// and P V run exactly as for an fp16 cache; the other warpgroup reads the widened V half after the mailbox
-// hand-off, which orders the writes (each writer fences them into the async proxy first). The Q tile is widened
-// the same way once it has landed (widen_q). The widening also writes zeros for the slots past a piece's end
-// (zero_tail_rows' job for a 16-bit cache), so each page buffer is only ever written by the warpgroup that
-// computes S on it. descale_q * descale_k scale the scores and descale_k the output
-// (SplitKvScales): each scale enters once.
+// with TMA's 128-byte swizzle into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row.
+// With a 16-bit q, the warpgroup that computes S on the page widens each unit just before its WGMMAs
+// (widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a bf16 q is
+// rounded to fp16 once per piece (widen_q). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3 tensor
+// cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two real K
+// blocks only), one commit group per unit, and the S warpgroup then widens only the four V units, each as soon as
+// the WGMMAs reading it are complete (compute_s_e4m3). Either way the other warpgroup reads the widened V half
+// after the mailbox hand-off, which orders the writes (each writer fences them into the async proxy first). The
+// widening also writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
+// page buffer is only ever written by the warpgroup that computes S on it. descale_q * descale_k scale the scores
+// and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
 // tokens gathered by cp.async into the FP8 cache's unit layout by the warpgroup that refills each unit (the same
