@@ -13,6 +13,7 @@ referee's anchors on its workloads:
     python3 benchmarks/sxs_variants.py --anchors .anchors --rows "L=8192f h=128 s=2" /tmp/e0 /tmp/e1   # one row
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table --repeat 2 /tmp/e0 /tmp/e1     # e0 e1 e0 e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
+    python3 benchmarks/sxs_variants.py --anchors .anchors --only table --fp8 /tmp/e0 /tmp/e1   # FP8 cache vs bf16
 
 Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
 build's kernels (their kernels have the same names; on the H100 with CUDA 13.0 a build that copies nothing gave
@@ -59,6 +60,26 @@ class RawExtension:
         return tuple(self.mod.mla_decode(q, k, bt, seqlens, 512, md, ns, 576 ** -0.5, causal))
 
 
+class RawFp8Extension(RawExtension):
+    """The same build's FP8-cache path (--fp8): q and each cache copy quantised per tensor to e4m3, as the referee's
+    `sxs.py --fp8` does, timed against the anchors' bf16 on the original tensors."""
+
+    def prepare(self, q, ks):
+        import torch
+
+        def quantise(x):
+            scale = (x.abs().amax().float() / 448.0).clamp_min(1e-12).reshape(1)
+            return (x.float() / scale).to(torch.float8_e4m3fn), scale
+        self.q8, self.descale_q = quantise(q)
+        self.k8 = {k.data_ptr(): quantise(k) for k in ks}
+
+    def decode(self, q, k, bt, seqlens, plan, causal):
+        md, ns = plan
+        k8, descale_k = self.k8[k.data_ptr()]
+        return tuple(self.mod.mla_decode(self.q8, k8, bt, seqlens, 512, md, ns, 576 ** -0.5, causal,
+                                         descale_q=self.descale_q, descale_k=descale_k))
+
+
 class RawSparseExtension(RawExtension):
     """The same build's sparse FP8 decoding (--sparse): `bt` carries the indices, `k` the 656-byte cache."""
 
@@ -96,7 +117,7 @@ def child(args):
     import sxs
     import torch
 
-    variant = (RawSparseExtension if args.sparse else RawExtension)(args.folders[0])
+    variant = (RawSparseExtension if args.sparse else RawFp8Extension if args.fp8 else RawExtension)(args.folders[0])
     anchors = [sxs.AnchorHeadSparse()] if args.sparse else [sxs.AnchorV1(), sxs.AnchorHead()]
     for wi, (_group, _label, make, causal, _s_q, _h_q) in enumerate(workloads(sxs, args)):
         q, ks, bt, seqlens = make(wi)
@@ -123,6 +144,8 @@ def main():
     ap.add_argument("--anchors", required=True, help="folder with the referee's sxs.py and compressed anchors")
     ap.add_argument("--only", default="all", choices=["table", "beyond", "all"])
     ap.add_argument("--sparse", action="store_true", help="the referee's sparse FP8 rows against upstream head")
+    ap.add_argument("--fp8", action="store_true",
+                    help="the variants' FP8-cache path (q and cache quantised per tensor) against the anchors' bf16")
     ap.add_argument("--rows", help="comma-separated label substrings: only the dense workloads whose label "
                                    "contains one (e.g. 'L=8192f h=128 s=2,L=8192f h=16 s=1')")
     ap.add_argument("--timing-only", action="store_true",
@@ -152,7 +175,7 @@ def main():
             save = os.path.join(tmp, name)
             os.makedirs(save)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
-                   "--only", args.only] + (["--sparse"] if args.sparse else []) + \
+                   "--only", args.only] + (["--sparse"] if args.sparse else []) + (["--fp8"] if args.fp8 else []) + \
                   (["--rows", args.rows] if args.rows else []) + [folder]
             run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
