@@ -365,6 +365,8 @@ struct SplitKvMainloop {
   // WGMMAs reading them complete, unit v behind the WGMMAs of the units after it. Widening a unit overwrites
   // its bytes, so each waits for its own group (wgmma.wait_group: the WGMMAs and their shared-memory reads are
   // complete). Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
+  // Page a (buffer 0, kPageA) widens only V units 0 and 1 here, those of its own P V: units 2 and 3 wait until
+  // kPageA has issued P_a V_a (widen_right_half), off the path to the post of P_a.
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
                                                         int warpgroup, int valid_rows, const FragQ& tSrQ,
@@ -394,14 +396,29 @@ struct SplitKvMainloop {
     widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 0, 0, valid_rows);
     warpgroup_wait<2>();
     widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 1, 0, valid_rows);
-    warpgroup_wait<1>();
-    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 2, 0, valid_rows);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
-    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 3, 0, valid_rows);
+    if (stage == 0) {
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+    } else {
+      warpgroup_wait<1>();
+      widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 2, 0, valid_rows);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 3, 0, valid_rows);
+    }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
     __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
     warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+  }
+
+  // kE4m3Scores, kPageA: page a's V units 2 and 3 (kPageB's half), widened while P_a V_a runs; kPageB waits for
+  // v_right_widened before its P_a V_a.
+  __device__ static void widen_right_half(SharedStorage& smem, int valid_rows) {
+    Element* page = smem.k[0].data();
+    widen_unit<kBlockN / 16>(page, 2, 0, valid_rows);
+    widen_unit<kBlockN / 16>(page, 3, 0, valid_rows);
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before kPageB's WGMMA (async proxy) reads
+    Barrier::arrive(&smem.v_right_widened);
   }
 
   // O += P V over this warpgroup's 256 columns; issued, not waited for.
@@ -553,6 +570,7 @@ struct SplitKvMainloop {
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
+        if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox);
@@ -638,6 +656,7 @@ struct SplitKvMainloop {
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
+        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_right_widened, phases.mailbox);
         issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);

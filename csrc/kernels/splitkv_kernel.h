@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     }
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
+    cutlass::arch::ClusterBarrier::init(&smem.v_right_widened, Traits::kWarpgroupThreads);
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
     if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));

@@ -160,6 +160,9 @@ struct SplitKvTraits {
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];
+    // kE4m3Scores: page a's V[:, 256:512] widened (kPageA widens it after issuing P_a V_a; kPageB waits before
+    // its own P_a V_a). Once per pair, as the mailbox.
+    alignas(8) uint64_t v_right_widened;
     // Sparse cache: which slots of the page in buffer [stage] hold a token, for the page waited for with phase
     // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE refill by the
     // warpgroup that computes S on the buffer, read by it after that S.
