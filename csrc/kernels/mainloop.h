@@ -360,11 +360,14 @@ struct SplitKvMainloop {
   }
 
   // kE4m3Scores: S = Q K^T over the page in buffer `stage` on the e4m3 tensor cores, straight from the copied
-  // bytes (K blocks in unit-refill order, RoPE first: its two K blocks of real columns only), one commit group
-  // per unit; then the four V units are widened in place (and their rows past `valid_rows` zeroed) as the
-  // WGMMAs reading them complete, unit v behind the WGMMAs of the units after it. Widening a unit overwrites
-  // its bytes, so each waits for its own group (wgmma.wait_group: the WGMMAs and their shared-memory reads are
-  // complete). Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
+  // bytes, K blocks in unit-refill order (RoPE first: its two K blocks of real columns only). Hopper's e4m3
+  // WGMMA accumulates with reduced precision (about 14 bits kept; DeepSeek-V3's report, and the Triton backend's
+  // FP8_ACC_CHUNK measured lse errors of 2.6e-3 without float32 steps), so each V unit's 128 products go to a
+  // partial accumulator U that is added to S in float32 once complete (DeepSeek's interval of 128) before the
+  // next unit's WGMMAs reuse U. Then the four V units are widened in place (rows past `valid_rows` zeroed;
+  // widening overwrites a unit's bytes, which S no longer reads). Widening a unit while the next one's WGMMAs
+  // run kept O, S, U and its loads live at once: 24-420 bytes of spills at 255 registers, or serialised WGMMAs.
+  // Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
   // Page a (buffer 0, kPageA) widens only V units 0 and 1 here, those of its own P V: units 2 and 3 wait until
   // kPageA has issued P_a V_a (widen_right_half), off the path to the post of P_a.
   template <class FragQ, class FragK, class FragS>
@@ -374,37 +377,43 @@ struct SplitKvMainloop {
     using namespace cute;
     typename Traits::TiledMmaS8 mma;
     static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
-    warpgroup_fence_operand(tSrS);
-    CUTE_UNROLL
-    for (int i = 0; i < kUnits; ++i) {
-      const int unit = (i + kRopeUnit) % kUnits;
+    Tensor tSrU = make_fragment_like(tSrS);                                                    // (MMA, 1, 1)
+    // K blocks of unit `unit` into `acc`, the first one overwriting it; one commit group.
+    auto issue_unit = [&](int unit, auto& acc) {
       Barrier::wait(&smem.unit_full[stage][unit], phase);
+      warpgroup_fence_operand(acc);
       warpgroup_arrive();
       const int k_blocks = unit == kRopeUnit ? Traits::kE4m3RopeKBlocks : Traits::kE4m3KBlocksPerUnit;
       CUTE_UNROLL
       for (int kk = 0; kk < k_blocks; ++kk) {
-        mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        mma.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
         // Q's unit j is its columns [128 j, + 128); the page's unit j is columns [256 j, + 128) of SmemLayoutK8.
         gemm(mma, tSrQ(_, _, unit * Traits::kE4m3KBlocksPerUnit + kk),
-             tSrK(_, _, 2 * unit * Traits::kE4m3KBlocksPerUnit + kk), tSrS);
+             tSrK(_, _, 2 * unit * Traits::kE4m3KBlocksPerUnit + kk), acc);
       }
       warpgroup_commit_batch();
+      warpgroup_fence_operand(acc);
+    };
+    auto add_unit = [&] {                  // S += U, once every group issued so far is complete
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrU);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+    };
+    Element* page = smem.k[stage].data();
+    issue_unit(kRopeUnit, tSrS);
+    issue_unit(0, tSrU);
+    CUTE_UNROLL
+    for (int v = 1; v < 4; ++v) {
+      add_unit();                          // unit v - 1 (and the RoPE unit) complete; U is free
+      issue_unit(v, tSrU);
     }
-    // Groups in flight, oldest first: RoPE, V units 0, 1, 2, 3.
-    char* page = reinterpret_cast<char*>(smem.k[stage].data());
-    warpgroup_wait<3>();
-    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 0, 0, valid_rows);
-    warpgroup_wait<2>();
-    widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 1, 0, valid_rows);
-    if (stage == 0) {
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-    } else {
-      warpgroup_wait<1>();
-      widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 2, 0, valid_rows);
-      warpgroup_wait<0>();
-      warpgroup_fence_operand(tSrS);
-      widen_unit<kBlockN / 16>(reinterpret_cast<Element*>(page), 3, 0, valid_rows);
+    add_unit();
+    const int widened_here = stage == 0 ? kVHalfUnits : 2 * kVHalfUnits;
+    CUTE_UNROLL
+    for (int v = 0; v < 2 * kVHalfUnits; ++v) {
+      if (v < widened_here) widen_unit<kBlockN / 16>(page, v, 0, valid_rows);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
     __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
