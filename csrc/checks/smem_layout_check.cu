@@ -5,6 +5,9 @@
 //  4. Value i of a thread's S accumulator (64 x 64) is the same (row, key) as value i of its P operand for
 //     O += P V (RS WGMMA, 4 K blocks of 16): P is S converted element by element, no shuffle.
 //  5. Traits::swizzled_chunk_offset, where the FP8 widening stores a chunk, is where SmemLayoutK has it.
+//  6. e4m3 scores: SmemLayoutQ8 / SmemLayoutK8 put e4m3 element (r, 128 u + j) of Q unit u / page unit u where
+//     load_q_bytes / a SWIZZLE_128B TMA box put it (unit base + 128 r + 16 ((j / 16) ^ (r % 8)) + j % 16), and S's
+//     accumulator is laid out as the 16-bit S's (the softmax and P are shared).
 // For the bf16, fp16 and FP8-cache (fp16 math) traits.
 #include <cstdio>
 #include <cute/tensor.hpp>
@@ -59,9 +62,34 @@ int check() {
   return errors;
 }
 
+// 6.
+int check_e4m3_scores() {
+  using namespace cute;
+  using T = flash_mla::SplitKvTraits<cutlass::half_t, cutlass::float_e4m3_t, true>;
+  auto bytes = [](auto layout, int i, int j) { return int(layout.layout_a()(int(layout.layout_b()(i, j)))); };
+  auto swizzled = [](int unit_base, int r, int j) { return unit_base + 128 * r + 16 * ((j / 16) ^ (r % 8)) + j % 16; };
+  int errors = 0;
+  for (int r = 0; r < T::kBlockM; ++r)
+    for (int u = 0; u < T::kUnits; ++u)
+      for (int j = 0; j < 128; ++j) {
+        const int q = bytes(typename T::SmemLayoutQ8{}, r, 128 * u + j), q_want = swizzled(8192 * u, r, j);
+        const int k = bytes(typename T::SmemLayoutK8{}, r, 256 * u + j), k_want = swizzled(16384 * u, r, j);
+        if (q != q_want && errors++ < 5) printf("Q8(%d, %d) at %d, load_q_bytes writes %d\n", r, 128 * u + j, q, q_want);
+        if (k != k_want && errors++ < 5) printf("K8(%d, %d) at %d, TMA writes %d\n", r, 256 * u + j, k, k_want);
+      }
+  auto s8 = typename T::TiledMmaS8{}.get_layoutC_TV();
+  auto s16 = typename T::TiledMmaS{}.get_layoutC_TV();
+  for (int t = 0; t < 128; ++t)
+    for (int i = 0; i < int(size<1>(s16)); ++i)
+      if (s8(t, i) != s16(t, i) && errors++ < 5) printf("e4m3 S value %d of thread %d differs\n", i, t);
+  if (int(size<1>(s8)) != int(size<1>(s16))) errors++, printf("e4m3 S has another accumulator size\n");
+  printf("fp8 cache, e4m3 scores: %d errors; smem bytes %d\n", errors, T::kSmemBytes);
+  return errors;
+}
+
 int main() {
   const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>() +
-                     check<cutlass::half_t, cutlass::float_e4m3_t>();
+                     check<cutlass::half_t, cutlass::float_e4m3_t>() + check_e4m3_scores();
   printf(errors ? "FAILED\n" : "OK\n");
   return errors ? 1 : 0;
 }

@@ -2,11 +2,12 @@
 //
 // The cache (num_blocks, 64, num_heads_k, 576) is described as a 4-D tensor, innermost first:
 //   (576 columns, 64 tokens, num_heads_k, num_blocks)     strides in bytes: (element size, token, head, block)
-// and copied in boxes of 128-byte rows x 64 tokens (one copy unit of one page of one KV head: 8 KiB):
-//   16-bit cache: 64 columns with the 128-byte swizzle, exactly the K-major SW128 layout WGMMA reads
-//                 (SplitKvTraits::SmemLayoutK, one segment);
-//   e4m3 cache:   128 columns without swizzle, rows of bytes for the kernel to widen (mainloop.h); the box at
-//                 column 512 reaches past the 576 columns and TMA fills that part with zeros without reading.
+// and copied in boxes of 128-byte rows x 64 tokens (one copy unit of one page of one KV head: 8 KiB) with the
+// 128-byte swizzle, exactly the K-major SW128 layout WGMMA reads:
+//   16-bit cache: 64 columns (SplitKvTraits::SmemLayoutK, one segment);
+//   e4m3 cache:   128 columns (SplitKvTraits::SmemLayoutK8, one unit), read by S's e4m3 WGMMAs and widened to
+//                 fp16 in place (mainloop.h); the box at column 512 reaches past the 576 columns and TMA fills
+//                 that part with zeros without reading.
 // A box never crosses a page, so the block table is applied per copy: coordinate 3 is the physical block.
 #pragma once
 
@@ -61,7 +62,7 @@ inline void encode_kv_cache_tma(DecodeParams& params, CacheDtype dtype) {
   const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
   const CUresult res = tensor_map_encoder()(
       reinterpret_cast<CUtensorMap*>(params.k_cache_tma), tma_dtype, 4, const_cast<void*>(params.k_cache), dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      fp8 ? CU_TENSOR_MAP_SWIZZLE_NONE : CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (res != CUDA_SUCCESS) {
     throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for k_cache (CUresult " +
                              std::to_string(int(res)) + "); strides must be multiples of 16 bytes");

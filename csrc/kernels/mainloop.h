@@ -52,14 +52,17 @@
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
-// into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row. The warpgroup that computes
-// S on the page widens each unit just before its WGMMAs (widen_unit: e4m3 -> fp16 is exact), so S, the softmax
-// and P V run exactly as for an fp16 cache; the other warpgroup reads the widened V half after the mailbox
-// hand-off, which orders the writes (each writer fences them into the async proxy first). The Q tile is widened
-// the same way once it has landed (widen_q). The widening also writes zeros for the slots past a piece's end
-// (zero_tail_rows' job for a 16-bit cache), so each page buffer is only ever written by the warpgroup that
-// computes S on it. descale_q * descale_k scale the scores and descale_k the output
-// (SplitKvScales): each scale enters once.
+// with TMA's 128-byte swizzle into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row.
+// With a 16-bit q, the warpgroup that computes S on the page widens each unit just before its WGMMAs
+// (widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a bf16 q is
+// rounded to fp16 once per piece (widen_q). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3 tensor
+// cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two real K
+// blocks only), one commit group per unit, and the S warpgroup then widens only the four V units, each as soon as
+// the WGMMAs reading it are complete (compute_s_e4m3). Either way the other warpgroup reads the widened V half
+// after the mailbox hand-off, which orders the writes (each writer fences them into the async proxy first). The
+// widening also writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
+// page buffer is only ever written by the warpgroup that computes S on it. descale_q * descale_k scale the scores
+// and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
 // tokens gathered by cp.async into the FP8 cache's unit layout by the warpgroup that refills each unit (the same
@@ -175,8 +178,8 @@ struct SplitKvMainloop {
 
   // ================================ FP8 cache: widening in shared memory =====================================
 
-  // Widens unit `unit` of `tile` (a page buffer or the Q tile) in place: its e4m3 rows (128 bytes each at the
-  // start of the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
+  // Widens unit `unit` of page buffer `tile` in place: its e4m3 rows (128 bytes each, swizzled, at the start of
+  // the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
   // Lane group t / 8 of the warpgroup owns rows first_row + t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
@@ -191,7 +194,9 @@ struct SplitKvMainloop {
     const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = first_row + t / 8;
     const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
     char* tile_bytes = reinterpret_cast<char*>(tile);
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + i * 16;
+    // The raw rows carry TMA's 128-byte swizzle (chunk i of row r at chunk i ^ (r % 8)): 16 rows further on is
+    // the same permutation.
+    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + (i ^ (row0 % 8)) * 16;
     const int seg = Traits::first_segment(unit) + i / 4;
     const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
     // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.
@@ -212,9 +217,9 @@ struct SplitKvMainloop {
     }
   }
 
-  // The Q tile after q_full: an e4m3 q widens like a page (each warpgroup takes 32 rows), a bf16 q is rounded to
-  // fp16 chunk by chunk (each thread rewrites the chunks it read); then both warpgroups wait for each other.
-  // Every row's bytes are in place (rows past rows_per_kv are zeros). Nothing to do for an fp16 q.
+  // The Q tile after q_full, FP8 cache: a bf16 q is rounded to fp16 chunk by chunk (each thread rewrites the
+  // chunks it read); then both warpgroups wait for each other. Every row's bytes are in place (rows past
+  // rows_per_kv are zeros). Nothing to do for an fp16 q, nor for an e4m3 one (kE4m3Scores: S reads its bytes).
   // Sparse cache: Q's latent columns are multiplied by 2^60 instead (sparse_gather.h, dequantisation).
   __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
     if constexpr (Traits::kSparse) {
@@ -223,16 +228,11 @@ struct SplitKvMainloop {
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
                    : "memory");
     }
-    if constexpr (Traits::kFp8Cache) {
-      if (p.q_format == kQAsMath) return;
-      if (p.q_format == kQFp8) {
-        CUTE_UNROLL
-        for (int unit = 0; unit < kUnits; ++unit) widen_unit<2>(smem.q.data(), unit, 32 * warpgroup, kBlockN);
-      } else {
-        constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
-        uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
-        for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
-      }
+    if constexpr (Traits::kFp8Cache && !Traits::kE4m3Scores) {
+      if (p.q_format != kQBf16) return;
+      constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
+      uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
+      for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
       // Both warpgroups; the non-.aligned form, since warps may arrive here unconverged (synccheck).
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
@@ -261,11 +261,12 @@ struct SplitKvMainloop {
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
-  // Issued by one warpgroup; arrives on q_full. An e4m3 q is copied as bytes in the units of an fp8 page (widen_q
-  // widens it), a bf16 q for fp16 math as it is (widen_q rounds it).
+  // Issued by one warpgroup; arrives on q_full. An e4m3 q (kE4m3Scores) is copied as bytes in SmemLayoutQ8, a
+  // bf16 q for fp16 math as it is (widen_q rounds it).
   __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
-    if constexpr (Traits::kFp8Cache) {
-      if (p.q_format == kQFp8) return load_q_bytes(p, smem, seq, kv_head, m_tile);
+    if constexpr (Traits::kE4m3Scores) {
+      load_q_bytes(p, smem, seq, kv_head, m_tile);
+      return;
     }
     const int wg_thread = threadIdx.x % kWgThreads;
     const Element* q = static_cast<const Element*>(p.q);
@@ -285,8 +286,9 @@ struct SplitKvMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full);
   }
 
-  // An e4m3 Q tile: 16-byte chunk i of unit j of row r goes to byte 128 r + 16 i of the unit (widen_unit's
-  // input); thread t copies chunk t % 8 of rows t / 8 + 16 i of every unit (the RoPE unit has 4 chunks).
+  // An e4m3 Q tile in SmemLayoutQ8: 16-byte chunk i of unit j of row r goes to byte 8192 j + 128 r + 16 (i ^ r % 8)
+  // (the 128-byte swizzle); thread t copies chunk t % 8 of rows t / 8 + 16 i of every unit. The RoPE unit has 4
+  // chunks; its columns 576..639 are never read (S skips those K blocks).
   __device__ static void load_q_bytes(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
     const int wg_thread = threadIdx.x % kWgThreads, chunk = wg_thread % 8;
     const uint8_t* q = static_cast<const uint8_t*>(p.q);
@@ -302,7 +304,7 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int unit = 0; unit < kUnits; ++unit) {
         if (chunk * 16 < kHeadDimQK - unit * Traits::kUnitCols) {
-          cp_async_16_zfill(tile + Traits::first_segment(unit) * kSegmentBytes + tile_row * 128 + chunk * 16,
+          cp_async_16_zfill(tile + unit * Traits::kUnitBytes + tile_row * 128 + (chunk ^ (tile_row % 8)) * 16,
                             src + unit * Traits::kUnitCols + chunk * 16, valid);
         }
       }
@@ -320,37 +322,112 @@ struct SplitKvMainloop {
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
                                                    FragS& tSrS) {
     using namespace cute;
-    typename Traits::TiledMmaS mma;
-    warpgroup_fence_operand(tSrS);
-    CUTE_UNROLL
-    for (int i = 0; i < kUnits; ++i) {
-      const int unit = (i + kRopeUnit) % kUnits;
-      Barrier::wait(&smem.unit_full[stage][unit], phase);
-      if constexpr (Traits::kFp8Cache) {
-        widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
-        cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-        __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
-        warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-      } else if constexpr (Traits::kSparse) {
-        if (unit != kRopeUnit) {
-          Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
-          cutlass::arch::fence_view_async_shared();
+    if constexpr (Traits::kE4m3Scores) {
+      compute_s_e4m3(smem, stage, phase, warpgroup, valid_rows, tSrQ, tSrK, tSrS);
+    } else {
+      typename Traits::TiledMmaS mma;
+      warpgroup_fence_operand(tSrS);
+      CUTE_UNROLL
+      for (int i = 0; i < kUnits; ++i) {
+        const int unit = (i + kRopeUnit) % kUnits;
+        Barrier::wait(&smem.unit_full[stage][unit], phase);
+        if constexpr (Traits::kFp8Cache) {
+          widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
+          cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+          __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-        } else {
-          cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
+        } else if constexpr (Traits::kSparse) {
+          if (unit != kRopeUnit) {
+            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
+            cutlass::arch::fence_view_async_shared();
+            warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+          } else {
+            cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
+          }
+        }
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
+          const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
+          mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
         }
       }
-      warpgroup_arrive();
-      CUTE_UNROLL
-      for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
-        const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
-        mma.accumulate_ = (i == 0 && kk == 0) ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
-      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
     }
-    warpgroup_commit_batch();
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tSrS);
+  }
+
+  // kE4m3Scores: S = Q K^T over the page in buffer `stage` on the e4m3 tensor cores, straight from the copied
+  // bytes, K blocks in unit-refill order (RoPE first: its two K blocks of real columns only). Hopper's e4m3
+  // WGMMA accumulates with reduced precision (about 14 bits kept; DeepSeek-V3's report, and the Triton backend's
+  // FP8_ACC_CHUNK measured lse errors of 2.6e-3 without float32 steps), so each V unit's 128 products go to a
+  // partial accumulator U that is added to S in float32 once complete (DeepSeek's interval of 128) before the
+  // next unit's WGMMAs reuse U. Then the four V units are widened in place (rows past `valid_rows` zeroed;
+  // widening overwrites a unit's bytes, which S no longer reads). Widening a unit while the next one's WGMMAs
+  // run kept O, S, U and its loads live at once: 24-420 bytes of spills at 255 registers, or serialised WGMMAs.
+  // Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
+  // Page a (buffer 0, kPageA) widens only V units 0 and 1 here, those of its own P V: units 2 and 3 wait until
+  // kPageA has issued P_a V_a (widen_right_half), off the path to the post of P_a.
+  template <class FragQ, class FragK, class FragS>
+  __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
+                                                        int warpgroup, int valid_rows, const FragQ& tSrQ,
+                                                        const FragK& tSrK, FragS& tSrS) {
+    using namespace cute;
+    typename Traits::TiledMmaS8 mma;
+    static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
+    Tensor tSrU = make_fragment_like(tSrS);                                                    // (MMA, 1, 1)
+    // K blocks of unit `unit` into `acc`, the first one overwriting it; one commit group.
+    auto issue_unit = [&](int unit, auto& acc) {
+      Barrier::wait(&smem.unit_full[stage][unit], phase);
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      const int k_blocks = unit == kRopeUnit ? Traits::kE4m3RopeKBlocks : Traits::kE4m3KBlocksPerUnit;
+      CUTE_UNROLL
+      for (int kk = 0; kk < k_blocks; ++kk) {
+        mma.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        // Q's unit j is its columns [128 j, + 128); the page's unit j is columns [256 j, + 128) of SmemLayoutK8.
+        gemm(mma, tSrQ(_, _, unit * Traits::kE4m3KBlocksPerUnit + kk),
+             tSrK(_, _, 2 * unit * Traits::kE4m3KBlocksPerUnit + kk), acc);
+      }
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(acc);
+    };
+    auto add_unit = [&] {                  // S += U, once every group issued so far is complete
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      warpgroup_fence_operand(tSrU);
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+    };
+    Element* page = smem.k[stage].data();
+    issue_unit(kRopeUnit, tSrS);
+    issue_unit(0, tSrU);
+    CUTE_UNROLL
+    for (int v = 1; v < 4; ++v) {
+      add_unit();                          // unit v - 1 (and the RoPE unit) complete; U is free
+      issue_unit(v, tSrU);
+    }
+    add_unit();
+    const int widened_here = stage == 0 ? kVHalfUnits : 2 * kVHalfUnits;
+    CUTE_UNROLL
+    for (int v = 0; v < 2 * kVHalfUnits; ++v) {
+      if (v < widened_here) widen_unit<kBlockN / 16>(page, v, 0, valid_rows);
+    }
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+    __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
+    warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+  }
+
+  // kE4m3Scores, kPageA: page a's V units 2 and 3 (kPageB's half), widened while P_a V_a runs; kPageB waits for
+  // v_right_widened before its P_a V_a.
+  __device__ static void widen_right_half(SharedStorage& smem, int valid_rows) {
+    Element* page = smem.k[0].data();
+    widen_unit<kBlockN / 16>(page, 2, 0, valid_rows);
+    widen_unit<kBlockN / 16>(page, 3, 0, valid_rows);
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before kPageB's WGMMA (async proxy) reads
+    Barrier::arrive(&smem.v_right_widened);
   }
 
   // O += P V over this warpgroup's 256 columns; issued, not waited for.
@@ -424,8 +501,23 @@ struct SplitKvMainloop {
                             typename Traits::SmemLayoutK{});                                   // (BLK_N, D_QK)
     Tensor sVa = make_tensor(make_smem_ptr(smem.k[0].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
     Tensor sVb = make_tensor(make_smem_ptr(smem.k[1].data()), typename Traits::SmemLayoutVt{});  // (D_V, BLK_N)
-    Tensor tSrQ = thr_mma_s.partition_fragment_A(sQ);                                          // (MMA, 1, 36)
-    Tensor tSrK = thr_mma_s.partition_fragment_B(sK);                                          // (MMA, 1, 36)
+    // S's operands: 16-bit (MMA, 1, 36) K blocks of 16 columns, or e4m3 ones (kE4m3Scores) of 32 columns:
+    // Q (MMA, 1, 20) and the page's 1152-column view (MMA, 1, 36), of which S reads 18.
+    auto score_operand = [&](auto a_operand, auto* base, auto layout, auto&& tensor16) {
+      if constexpr (Traits::kE4m3Scores) {
+        using E4m3 = typename Traits::E4m3;
+        auto thr_mma_s8 = typename Traits::TiledMmaS8{}.get_slice(wg_thread);
+        Tensor s8 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(base)), layout);
+        if constexpr (decltype(a_operand)::value) return thr_mma_s8.partition_fragment_A(s8);
+        else return thr_mma_s8.partition_fragment_B(s8);
+      } else if constexpr (decltype(a_operand)::value) {
+        return thr_mma_s.partition_fragment_A(tensor16);
+      } else {
+        return thr_mma_s.partition_fragment_B(tensor16);
+      }
+    };
+    auto tSrQ = score_operand(true_type{}, smem.q.data(), typename Traits::SmemLayoutQ8{}, sQ);
+    auto tSrK = score_operand(false_type{}, smem.k[kWarpgroup].data(), typename Traits::SmemLayoutK8{}, sK);
     Tensor tOrVa = thr_mma_o.partition_fragment_B(
         local_tile(sVa, Shape<ColsPerWg, BlockN>{}, make_coord(kWarpgroup, 0)));               // (MMA, 1, 4)
     Tensor tOrVb = thr_mma_o.partition_fragment_B(
@@ -487,6 +579,7 @@ struct SplitKvMainloop {
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
+        if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox);
@@ -572,6 +665,7 @@ struct SplitKvMainloop {
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
+        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_right_widened, phases.mailbox);
         issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);

@@ -35,8 +35,9 @@ struct MetadataParams {
   int num_sm_parts;
 };
 
-// How q is stored relative to the kernel's 16-bit math type. Only the FP8-cache kernel (fp16 math) sees anything
-// but kQAsMath: it widens an e4m3 q (exactly) or rounds a bf16 q to fp16 in shared memory (mainloop.h).
+// How q is stored relative to the kernel's 16-bit math type. Only the FP8-cache kernels (fp16 math) see anything
+// but kQAsMath: an e4m3 q goes to the kernel whose S runs on e4m3 (launch_mla_splitkv_fp8_e4m3_scores), a bf16 q
+// is rounded to fp16 in shared memory (mainloop.h).
 enum QFormat : int { kQAsMath = 0, kQFp8 = 1, kQBf16 = 2 };
 
 struct DecodeParams {
@@ -98,7 +99,8 @@ struct DecodeParams {
 void launch_mla_metadata(const MetadataParams& params, void* stream);
 void launch_mla_splitkv_bf16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp16(const DecodeParams& params, void* stream);
-void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream);     // e4m3 cache; q e4m3, bf16 or fp16
+void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream);     // e4m3 cache; q bf16 or fp16
+void launch_mla_splitkv_fp8_e4m3_scores(const DecodeParams& params, void* stream);    // e4m3 cache and q
 void launch_mla_splitkv_sparse(const DecodeParams& params, void* stream);  // 656-byte token cache; bf16 q
 void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
 void launch_mla_combine_fp16(const DecodeParams& params, void* stream);

@@ -1,4 +1,5 @@
-// FP8-cache instantiation of the split-KV kernel: e4m3 pages widened to fp16 in shared memory (mainloop.h).
+// FP8-cache instantiation of the split-KV kernel for a 16-bit q: e4m3 pages widened to fp16 in shared memory
+// (mainloop.h).
 #include "splitkv_kernel.h"
 
 namespace flash_mla {

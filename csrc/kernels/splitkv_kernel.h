@@ -40,6 +40,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     }
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
+    cutlass::arch::ClusterBarrier::init(&smem.v_right_widened, Traits::kWarpgroupThreads);
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
     if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
@@ -73,9 +74,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   }
 }
 
-template <class Element, class CacheElement = Element>
+template <class Element, class CacheElement = Element, bool kE4m3Scores = false>
 void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
-  using Traits = SplitKvTraits<Element, CacheElement>;
+  using Traits = SplitKvTraits<Element, CacheElement, kE4m3Scores>;
   DecodeParams params = binding_params;
   if constexpr (!Traits::kSparse) {    // sparse tokens are gathered by cp.async, not TMA
     encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3

@@ -35,12 +35,16 @@ struct SparseFp8Token {
 // type, e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
 // warpgroup that computes S on them; see mainloop.h "FP8 cache"), or SparseFp8Token (gathered tokens, dequantised
 // to bf16 by that warpgroup; mainloop.h "Sparse FP8 cache").
-template <class Element_, class CacheElement_ = Element_>
+// kE4m3Scores (FP8 cache with an e4m3 q): S = Q K^T runs on the e4m3 tensor cores straight from the copied bytes
+// (Q and the page both K-major with the 128-byte swizzle), and only V is widened, after S (mainloop.h).
+template <class Element_, class CacheElement_ = Element_, bool kE4m3Scores_ = false>
 struct SplitKvTraits {
   using Element = Element_;
   using CacheElement = CacheElement_;
   static constexpr bool kSparse = std::is_same_v<CacheElement, SparseFp8Token>;
   static constexpr bool kFp8Cache = sizeof(CacheElement) == 1 && !kSparse;
+  static constexpr bool kE4m3Scores = kE4m3Scores_;
+  static_assert(!kE4m3Scores || kFp8Cache, "e4m3 scores need the FP8 cache's bytes");
   static_assert(sizeof(Element) == 2 && (!kFp8Cache || std::is_same_v<Element, cutlass::half_t>),
                 "16-bit math; an e4m3 cache widens to fp16, which holds every e4m3 value exactly");
   static_assert(!kSparse || std::is_same_v<Element, cutlass::bfloat16_t>,
@@ -113,6 +117,22 @@ struct SplitKvTraits {
       Element, Element, float, cute::Shape<BlockM, ColsPerWg, BlockN>,
       cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
 
+  // kE4m3Scores: the e4m3 views of the Q tile and of a page buffer, K-major with the 128-byte swizzle (an 8 KiB
+  // atom column per 128 columns, exactly what a SWIZZLE_128B TMA box of 128 bytes x 64 rows writes). Q's five
+  // units are consecutive; a page's unit u lies at 16 KiB u (the first of the two fp16 segments it widens to), so
+  // the page is viewed as 1152 columns (its 72 KiB) of which unit u is columns [256 u, 256 u + 128).
+  using E4m3 = cutlass::float_e4m3_t;
+  static constexpr int kE4m3KBlock = 32;                                      // WGMMA K of e4m3
+  static constexpr int kE4m3KBlocksPerUnit = 128 / kE4m3KBlock;               // 4
+  static constexpr int kE4m3RopeKBlocks = (kHeadDimQK - kHeadDimV) / kE4m3KBlock;    // 2: columns 512..575
+  using SmemLayoutQ8 = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+                                                    cute::Shape<BlockM, cute::Int<5 * 128>>{}));    // (BLK_M, 640)
+  using SmemLayoutK8 = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+                                                    cute::Shape<BlockN, cute::Int<9 * 128>>{}));    // (BLK_N, 1152)
+  // S = Q K^T in e4m3 (k = 32), both operands from shared memory; the accumulator is laid out as TiledMmaS's.
+  using TiledMmaS8 = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+      E4m3, E4m3, float, cute::Shape<BlockM, BlockN, cute::Int<5 * 128>>>()));
+
   // Byte offset of 16-byte chunk `chunk` (8 elements) of row `row` of segment `seg` in a Q/K tile: the 128-byte
   // swizzle permutes the chunks of a row by the row's index within its 8-row atom (smem_layout_check.cu checks
   // this against SmemLayoutK). The FP8 widening writes through it.
@@ -140,6 +160,9 @@ struct SplitKvTraits {
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];
+    // kE4m3Scores: page a's V[:, 256:512] widened (kPageA widens it after issuing P_a V_a; kPageB waits before
+    // its own P_a V_a). Once per pair, as the mailbox.
+    alignas(8) uint64_t v_right_widened;
     // Sparse cache: which slots of the page in buffer [stage] hold a token, for the page waited for with phase
     // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE refill by the
     // warpgroup that computes S on the buffer, read by it after that S.
