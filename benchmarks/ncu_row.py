@@ -5,10 +5,13 @@ outside the profiled range and one call inside it, then prints one column per ke
 
     python benchmarks/ncu_row.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
     python benchmarks/ncu_row.py --anchors .anchors --sparse --b 128 --topk 2048 --h-q 64 --s-q 1
+    python benchmarks/ncu_row.py --anchors .anchors --fp8 --b 128 --mean 8192 --h-q 128 --s-q 2
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
-compressed anchors). `--raw FILE` keeps ncu's CSV.
+compressed anchors). `--fp8` runs flash_mla's FP8 path (q and cache quantised per tensor, as `sxs.py --fp8`)
+against the anchors' bf16; byte and sector ratios are then per fp8 cache byte (576 per token), so a bf16 kernel
+reading its cache once shows 2. `--raw FILE` keeps ncu's CSV.
 """
 import argparse
 import csv
@@ -57,9 +60,12 @@ def child(args):
         lens = [args.mean] * args.b
         q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
         causal = True
-        impls = {"flash_mla": sxs.FlashMLA, "v1": sxs.AnchorV1, "head": sxs.AnchorHead}
+        impls = {"flash_mla": sxs.FlashMLAFp8 if args.fp8 else sxs.FlashMLA, "v1": sxs.AnchorV1,
+                 "head": sxs.AnchorHead}
     for name in args.impls.split(","):
         impl = impls[name]()
+        if args.fp8 and name == "flash_mla":
+            impl.prepare(q, ks[:1])
         plan = impl.plan(q, ks[0], bt, seqlens, causal)
         impl.decode(q, ks[0], bt, seqlens, plan, causal)
         torch.cuda.synchronize()
@@ -88,9 +94,10 @@ def parent(args):
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
     rows = [r for r in rows if r.get("ID", "").isdigit()]
     # the bytes the call must read: the cache (dense), or the tokens the indices name (sparse)
-    cache_bytes = args.b * args.s_q * args.topk * 656 if args.sparse else args.b * args.mean * 576 * 2
+    cache_bytes = (args.b * args.s_q * args.topk * 656 if args.sparse else
+                   args.b * args.mean * 576 * (1 if args.fp8 else 2))
     names = [f"{r['ID']}:{r['Kernel Name'][:28]}" for r in rows]
-    shape = f"topk {args.topk} (sparse)" if args.sparse else f"L = {args.mean}"
+    shape = f"topk {args.topk} (sparse)" if args.sparse else f"L = {args.mean}" + (" (fp8 cache)" if args.fp8 else "")
     print(f"# b = {args.b}, {shape}, h_q {args.h_q}, s_q {args.s_q}; cache {cache_bytes / 1e9:.3f} GB; "
           f"implementations in order: {args.impls}")
     print("| metric | " + " | ".join(names) + " |")
@@ -123,6 +130,7 @@ def main():
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=2)
     ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding (the referee's --sparse workload)")
+    ap.add_argument("--fp8", action="store_true", help="flash_mla's FP8 path against the anchors' bf16")
     ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
