@@ -26,9 +26,9 @@
 // back to back. kPageA waits for P_a V_a before P_b V_b only when a factor of the warpgroup is not 1: one vote
 // for all four warps, since a wait taken by only some warps of a warpgroup puts its WGMMA instructions at
 // different PCs (wgmma is .aligned; synccheck reports it). Measured by a clock64() probe of one CTA's pairs
-// (H100, b = 128, L = 8192, h_q 128, s_q 2), before lazy references: 6,550 cycles per pair, of which the tensor
-// pipe was busy ~4,350; kPageA's softmax 985 cycles, kPageB's 630 after P_a, and the waits for P_a V_a that a
-// moved maximum forces on nearly every pair (docs/PERF.md "Split kernel").
+// (H100, b = 128, L = 8192, h_q 128, s_q 2): 6,315 cycles per pair (6,550 before lazy references), of which the
+// tensor pipe is busy ~4,350; the pipe idles ~900 cycles between the end of S_b and the issue of P_a V_a (kPageA's
+// softmax) (docs/PERF.md "The ncu picture", timeline).
 // A piece with an odd number of pages ends with a pair without b: kPageB then only applies P_a and posts
 // m_b = m_a.
 //
@@ -57,9 +57,11 @@
 // (widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a bf16 q is
 // rounded to fp16 once per piece (widen_q). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3 tensor
 // cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two real K
-// blocks only), one commit group per unit, and the S warpgroup then widens only the four V units, each as soon as
-// the WGMMAs reading it are complete (compute_s_e4m3). Either way the other warpgroup reads the widened V half
-// after the mailbox hand-off, which orders the writes (each writer fences them into the async proxy first). The
+// blocks only), one commit group per unit, and only the four V units are widened, each once the WGMMAs reading
+// it are complete (compute_s_e4m3): kPageB widens page b's four during S_b; kPageA widens page a's units 0 and 1
+// during S_a and units 2 and 3 (kPageB's half) only after issuing P_a V_a, off its path to the post of P_a
+// (kPageB waits on v_right_widened before its P_a V_a). Either way the other warpgroup reads a widened V half
+// after a barrier that orders the writes (each writer fences them into the async proxy first). The
 // widening also writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
 // page buffer is only ever written by the warpgroup that computes S on it. descale_q * descale_k scale the scores
 // and descale_k the output (SplitKvScales): each scale enters once.
