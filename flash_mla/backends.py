@@ -11,8 +11,9 @@ FLASH_MLA_BACKEND environment variable (the keyword wins); forcing one that cann
 "triton" with CPU tensors runs the kernels in Triton's interpreter when TRITON_INTERPRET=1 was set before triton
 was imported (slow; for debugging the kernels on a machine without a GPU).
 
-FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py) follow the same rule: "cuda" runs them on Hopper (its fp8
-kernel widens the pages to fp16 in shared memory), "triton" elsewhere (it loads the fp8 cache directly and needs
+FP8 KV caches (k_cache float8_e4m3fn, flash_mla/fp8.py) follow the same rule: "cuda" runs them on Hopper (with an
+fp8 q, S on the fp8 tensor cores and V widened to fp16 in shared memory; with a 16-bit q the whole page widened),
+"triton" elsewhere (it loads the fp8 cache directly and needs
 compute capability 8.9+), "cpu" dequantises and computes. `_unavailable_reason(..., fp8=True)` says why a backend
 cannot take them.
 
