@@ -5,9 +5,10 @@
 // and copied in boxes of 128-byte rows x 64 tokens (one copy unit of one page of one KV head: 8 KiB) with the
 // 128-byte swizzle, exactly the K-major SW128 layout WGMMA reads:
 //   16-bit cache: 64 columns (SplitKvTraits::SmemLayoutK, one segment);
-//   e4m3 cache:   128 columns (SplitKvTraits::SmemLayoutK8, one unit), read by S's e4m3 WGMMAs and widened to
-//                 fp16 in place (mainloop.h); the box at column 512 reaches past the 576 columns and TMA fills
-//                 that part with zeros without reading.
+//   e4m3 cache:   128 columns (SplitKvTraits::SmemLayoutK8, one unit): with an e4m3 q read as they are by S's
+//                 e4m3 WGMMAs and only the V units widened to fp16 in place, with a 16-bit q every unit widened
+//                 before S (mainloop.h); the box at column 512 reaches past the 576 columns and TMA fills that
+//                 part with zeros without reading.
 // A box never crosses a page, so the block table is applied per copy: coordinate 3 is the physical block.
 #pragma once
 
