@@ -180,9 +180,9 @@ struct SplitKvMainloop {
 
   // ================================ FP8 cache: widening in shared memory =====================================
 
-  // Widens unit `unit` of page buffer `tile` in place: its e4m3 rows (128 bytes each, swizzled, at the start of
-  // the unit's first segment) become the fp16 rows of its segments, rows first_row + [0, 16 kPasses).
-  // Lane group t / 8 of the warpgroup owns rows first_row + t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
+  // Widens unit `unit` of page buffer `tile` in place: its 64 e4m3 rows (128 bytes each, swizzled, at the start
+  // of the unit's first segment) become the fp16 rows of its segments.
+  // Lane group t / 8 of the warpgroup owns rows t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
   // be NaN in O += P V. All passes are loaded before any is stored (the loads overlap). A row's writes overwrite
@@ -190,10 +190,10 @@ struct SplitKvMainloop {
   // involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
   // their second chunk first, so that a row's eight first stores hit eight different bank groups. The caller
   // fences the writes into the async proxy and synchronises the readers.
-  template <int kPasses>
-  __device__ static void widen_unit(Element* tile, int unit, int first_row, int valid_rows) {
+  __device__ static void widen_unit(Element* tile, int unit, int valid_rows) {
     static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
-    const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = first_row + t / 8;
+    constexpr int kPasses = kBlockN / 16;                           // 16 rows a pass (eight lanes a row)
+    const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
     const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
     char* tile_bytes = reinterpret_cast<char*>(tile);
     // The raw rows carry TMA's 128-byte swizzle (chunk i of row r at chunk i ^ (r % 8)): 16 rows further on is
@@ -334,7 +334,7 @@ struct SplitKvMainloop {
         const int unit = (i + kRopeUnit) % kUnits;
         Barrier::wait(&smem.unit_full[stage][unit], phase);
         if constexpr (Traits::kFp8Cache) {
-          widen_unit<kBlockN / 16>(smem.k[stage].data(), unit, 0, valid_rows);
+          widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
           __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
@@ -415,7 +415,7 @@ struct SplitKvMainloop {
     const int widened_here = stage == 0 ? kVHalfUnits : 2 * kVHalfUnits;
     CUTE_UNROLL
     for (int v = 0; v < 2 * kVHalfUnits; ++v) {
-      if (v < widened_here) widen_unit<kBlockN / 16>(page, v, 0, valid_rows);
+      if (v < widened_here) widen_unit(page, v, valid_rows);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
     __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
@@ -426,8 +426,8 @@ struct SplitKvMainloop {
   // v_right_widened before its P_a V_a.
   __device__ static void widen_right_half(SharedStorage& smem, int valid_rows) {
     Element* page = smem.k[0].data();
-    widen_unit<kBlockN / 16>(page, 2, 0, valid_rows);
-    widen_unit<kBlockN / 16>(page, 3, 0, valid_rows);
+    widen_unit(page, 2, valid_rows);
+    widen_unit(page, 3, valid_rows);
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before kPageB's WGMMA (async proxy) reads
     Barrier::arrive(&smem.v_right_widened);
   }
