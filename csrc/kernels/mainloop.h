@@ -188,8 +188,10 @@ struct SplitKvMainloop {
   // be NaN in O += P V. All passes are loaded before any is stored (the loads overlap). A row's writes overwrite
   // only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is
   // involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
-  // their second chunk first, so that a row's eight first stores hit eight different bank groups. The caller
-  // fences the writes into the async proxy and synchronises the readers.
+  // their second chunk first, so that a row's eight first stores hit eight different bank groups; they load
+  // their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first widened chunk
+  // is always the one stored first, with no per-lane select of registers. The caller fences the writes into
+  // the async proxy and synchronises the readers.
   __device__ static void widen_unit(Element* tile, int unit, int valid_rows) {
     static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
     constexpr int kPasses = kBlockN / 16;                           // 16 rows a pass (eight lanes a row)
@@ -204,17 +206,23 @@ struct SplitKvMainloop {
     // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.
     char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
     char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
-    uint4 bytes[kPasses];
+    const char* src_first = src + 8 * first;
+    const int second_offset = 8 - 16 * first;
+    uint4 bytes[kPasses];                                          // the half stored first, then the other
     CUTE_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) bytes[pass] = *reinterpret_cast<const uint4*>(src + pass * 16 * 128);
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const uint2 half_first = *reinterpret_cast<const uint2*>(src_first + pass * 16 * 128);
+      const uint2 half_second = *reinterpret_cast<const uint2*>(src_first + second_offset + pass * 16 * 128);
+      bytes[pass] = make_uint4(half_first.x, half_first.y, half_second.x, half_second.y);
+    }
     __syncwarp();
     if (valid) {
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
-        uint4 lo = make_uint4(0, 0, 0, 0), hi = lo;
-        if (row0 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], lo, hi);
-        *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = first ? hi : lo;
-        *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = first ? lo : hi;
+        uint4 chunk_first = make_uint4(0, 0, 0, 0), chunk_second = chunk_first;
+        if (row0 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], chunk_first, chunk_second);
+        *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
+        *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
       }
     }
   }

@@ -163,17 +163,20 @@ struct SparseGather {
       CUTE_UNROLL
       for (int k = 0; k < kPassesAtOnce; ++k) {
         const int row = row0 + 16 * (pass0 + k);
-        bytes[k] = *reinterpret_cast<const uint4*>(src + (pass0 + k) * 16 * 128);
+        // The chunk's half stored first, then the other (widen_unit: no per-lane select of registers).
+        const uint2 half_first = *reinterpret_cast<const uint2*>(src + (pass0 + k) * 16 * 128 + 8 * first);
+        const uint2 half_second = *reinterpret_cast<const uint2*>(src + (pass0 + k) * 16 * 128 + 8 * (1 - first));
+        bytes[k] = make_uint4(half_first.x, half_first.y, half_second.x, half_second.y);
         const char* scale_line = tile + (Traits::first_segment(unit) + 1) * kSegmentBytes + row * 128;
         scale[k] = *reinterpret_cast<const float*>(scale_line);
       }
       __syncwarp();
       CUTE_UNROLL
       for (int k = 0; k < kPassesAtOnce; ++k) {
-        uint4 lo, hi;
-        dequantize_e4m3x16(bytes[k], __float2bfloat162_rn(scale[k] * kSparseKScale), lo, hi);
-        *reinterpret_cast<uint4*>(dst_first + (pass0 + k) * 16 * 128) = first ? hi : lo;
-        *reinterpret_cast<uint4*>(dst_second + (pass0 + k) * 16 * 128) = first ? lo : hi;
+        uint4 chunk_first, chunk_second;
+        dequantize_e4m3x16(bytes[k], __float2bfloat162_rn(scale[k] * kSparseKScale), chunk_first, chunk_second);
+        *reinterpret_cast<uint4*>(dst_first + (pass0 + k) * 16 * 128) = chunk_first;
+        *reinterpret_cast<uint4*>(dst_second + (pass0 + k) * 16 * 128) = chunk_second;
       }
     }
   }
