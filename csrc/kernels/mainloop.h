@@ -185,9 +185,11 @@ struct SplitKvMainloop {
   // Lane group t / 8 of the warpgroup owns rows t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
-  // be NaN in O += P V. All passes are loaded before any is stored (the loads overlap). A row's writes overwrite
-  // only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is
-  // involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
+  // be NaN in O += P V. Their bytes are zeroed before the conversion, on a path only a piece's partial last page
+  // takes: a per-row test among the conversions cost each chunk a branch and the zeroing of its eight registers.
+  // All passes are loaded before any is stored (the loads overlap). A row's writes overwrite only that row's
+  // bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is involved, and a
+  // page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
   // their second chunk first, so that a row's eight first stores hit eight different bank groups; they load
   // their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first widened chunk
   // is always the one stored first, with no per-lane select of registers. The caller fences the writes into
@@ -216,11 +218,17 @@ struct SplitKvMainloop {
       bytes[pass] = make_uint4(half_first.x, half_first.y, half_second.x, half_second.y);
     }
     __syncwarp();
+    if (valid_rows < kBlockN) {                       // a piece's partial last page: its tail widens from zeros
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) {
+        if (row0 + 16 * pass >= valid_rows) bytes[pass] = make_uint4(0, 0, 0, 0);
+      }
+    }
     if (valid) {
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
-        uint4 chunk_first = make_uint4(0, 0, 0, 0), chunk_second = chunk_first;
-        if (row0 + 16 * pass < valid_rows) widen_e4m3x16(bytes[pass], chunk_first, chunk_second);
+        uint4 chunk_first, chunk_second;
+        widen_e4m3x16(bytes[pass], chunk_first, chunk_second);
         *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
         *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
       }
