@@ -185,15 +185,15 @@ struct SplitKvMainloop {
   // Lane group t / 8 of the warpgroup owns rows t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
-  // be NaN in O += P V. Their bytes are zeroed before the conversion, on a path only a piece's partial last page
-  // takes: a per-row test among the conversions cost each chunk a branch and the zeroing of its eight registers.
-  // All passes are loaded before any is stored (the loads overlap). A row's writes overwrite only that row's
-  // bytes, all of which its own eight lanes have read before the __syncwarp: no other thread is involved, and a
-  // page buffer's bytes are only ever written by the warpgroup that widens it. Lanes 4..7 store
-  // their second chunk first, so that a row's eight first stores hit eight different bank groups; they load
-  // their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first widened chunk
-  // is always the one stored first, with no per-lane select of registers. The caller fences the writes into
-  // the async proxy and synchronises the readers.
+  // be NaN in O += P V. Their loaded bytes are zeroed before the conversion (ptxas makes that a select per loaded
+  // register, 4 a chunk, where a per-row test among the conversions cost each chunk a branch and the zeroing of
+  // its eight results). All passes are loaded before any is stored (the loads overlap). A row's writes
+  // overwrite only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other
+  // thread is involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes
+  // 4..7 store their second chunk first, so that a row's eight first stores hit eight different bank groups;
+  // they load their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first
+  // widened chunk is always the one stored first, with no per-lane select of registers. The caller fences the
+  // writes into the async proxy and synchronises the readers.
   __device__ static void widen_unit(Element* tile, int unit, int valid_rows) {
     static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
     constexpr int kPasses = kBlockN / 16;                           // 16 rows a pass (eight lanes a row)
