@@ -62,6 +62,7 @@ REASONS = {
     # "without the CUDA extension" here describes the lack, unlike test_compat's reason above
     "get_mla_metadata without the CUDA extension reads the lengths on the host": MISSING,
     "nvcc not found": MISSING,
+    "cuobjdump (CUDA toolkit) not found": MISSING,                                               # test_sass_diff
     "no CUDA runtime headers under {}": MISSING,
     "CUTLASS headers: pip install nvidia-cutlass": MISSING,
     "triton is not installed": MISSING,

@@ -75,7 +75,8 @@ def test_report_prints_both_builds(capsys):
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="nvcc not found")
 @pytest.mark.skipif(shutil.which("cuobjdump") is None and not os.environ.get("CUOBJDUMP")
-                    and not os.path.exists("/usr/local/cuda/bin/cuobjdump"), reason="cuobjdump not found")
+                    and not os.path.exists("/usr/local/cuda/bin/cuobjdump"),
+                    reason="cuobjdump (CUDA toolkit) not found")
 def test_end_to_end_on_a_tiny_kernel(tmp_path, capsys):
     pytest.importorskip("cutlass_library", reason="CUTLASS headers: pip install nvidia-cutlass")
     for name, body in (("base", "out[threadIdx.x] = in[threadIdx.x] * 2.f;"),
