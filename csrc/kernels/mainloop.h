@@ -213,9 +213,7 @@ struct SplitKvMainloop {
     uint4 bytes[kPasses];                                          // the half stored first, then the other
     CUTE_UNROLL
     for (int pass = 0; pass < kPasses; ++pass) {
-      const uint2 half_first = *reinterpret_cast<const uint2*>(src_first + pass * 16 * 128);
-      const uint2 half_second = *reinterpret_cast<const uint2*>(src_first + second_offset + pass * 16 * 128);
-      bytes[pass] = make_uint4(half_first.x, half_first.y, half_second.x, half_second.y);
+      bytes[pass] = load_halves(src_first + pass * 16 * 128, src_first + second_offset + pass * 16 * 128);
     }
     __syncwarp();
     if (valid_rows < kBlockN) {                       // a piece's partial last page: its tail widens from zeros

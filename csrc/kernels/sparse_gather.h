@@ -163,10 +163,9 @@ struct SparseGather {
       CUTE_UNROLL
       for (int k = 0; k < kPassesAtOnce; ++k) {
         const int row = row0 + 16 * (pass0 + k);
-        // The chunk's half stored first, then the other (widen_unit: no per-lane select of registers).
-        const uint2 half_first = *reinterpret_cast<const uint2*>(src + (pass0 + k) * 16 * 128 + 8 * first);
-        const uint2 half_second = *reinterpret_cast<const uint2*>(src + (pass0 + k) * 16 * 128 + 8 * (1 - first));
-        bytes[k] = make_uint4(half_first.x, half_first.y, half_second.x, half_second.y);
+        // The chunk's half stored first, then the other (no per-lane select of registers).
+        const char* chunk = src + (pass0 + k) * 16 * 128;
+        bytes[k] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
         const char* scale_line = tile + (Traits::first_segment(unit) + 1) * kSegmentBytes + row * 128;
         scale[k] = *reinterpret_cast<const float*>(scale_line);
       }

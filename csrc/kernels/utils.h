@@ -17,6 +17,14 @@ __device__ __forceinline__ void cp_async_16_zfill(void* smem_dst, const void* gm
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
 }
 
+// A 16-byte chunk from its two 8-byte halves, `first_half` into words 0-1: the FP8 widenings' lanes that store their
+// second widened chunk first (bank spread) load their chunk's halves swapped instead of selecting registers after.
+__device__ __forceinline__ uint4 load_halves(const char* first_half, const char* second_half) {
+  const uint2 a = *reinterpret_cast<const uint2*>(first_half);
+  const uint2 b = *reinterpret_cast<const uint2*>(second_half);
+  return make_uint4(a.x, a.y, b.x, b.y);
+}
+
 // 16 e4m3 values (bytes 0..15) -> 16 fp16 values, 0..7 in `lo` and 8..15 in `hi`. Exact: every e4m3 value
 // (subnormals, +-448, NaN) is an fp16 value.
 __device__ __forceinline__ void widen_e4m3x16(const uint4& in, uint4& lo, uint4& hi) {
