@@ -185,11 +185,11 @@ struct SplitKvMainloop {
   // Lane group t / 8 of the warpgroup owns rows t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
   // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
   // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
-  // be NaN in O += P V. Their loaded bytes are zeroed before the conversion (ptxas makes that a select per loaded
-  // register, 4 a chunk, where a per-row test among the conversions cost each chunk a branch and the zeroing of
-  // its eight results). All passes are loaded before any is stored (the loads overlap). A row's writes
-  // overwrite only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no other
-  // thread is involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes
+  // be NaN in O += P V. Every row is widened as it is, and only a partial page stores zeros over its tail rows
+  // afterwards (a per-row test among the conversions cost each chunk a branch; zeroing the loaded bytes, a select
+  // per loaded register). Passes are loaded two at a time before they are stored (the loads overlap). A row's
+  // writes overwrite only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no
+  // other thread is involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes
   // 4..7 store their second chunk first, so that a row's eight first stores hit eight different bank groups;
   // they load their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first
   // widened chunk is always the one stored first, with no per-lane select of registers. The caller fences the
@@ -210,25 +210,35 @@ struct SplitKvMainloop {
     char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
     const char* src_first = src + 8 * first;
     const int second_offset = 8 - 16 * first;
-    uint4 bytes[kPasses];                                          // the half stored first, then the other
+    // Two passes are loaded at a time (their loads overlap); all four at once spilled 12 bytes in the e4m3 kernel.
+    constexpr int kPassesAtOnce = 2;
     CUTE_UNROLL
-    for (int pass = 0; pass < kPasses; ++pass) {
-      bytes[pass] = load_halves(src_first + pass * 16 * 128, src_first + second_offset + pass * 16 * 128);
-    }
-    __syncwarp();
-    if (valid_rows < kBlockN) {                       // a piece's partial last page: its tail widens from zeros
+    for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
+      uint4 bytes[kPassesAtOnce];                                  // the half stored first, then the other
       CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) {
-        if (row0 + 16 * pass >= valid_rows) bytes[pass] = make_uint4(0, 0, 0, 0);
+      for (int k = 0; k < kPassesAtOnce; ++k) {
+        const int pass = pass0 + k;
+        bytes[k] = load_halves(src_first + pass * 16 * 128, src_first + second_offset + pass * 16 * 128);
+      }
+      __syncwarp();
+      if (valid) {
+        CUTE_UNROLL
+        for (int k = 0; k < kPassesAtOnce; ++k) {
+          const int pass = pass0 + k;
+          uint4 chunk_first, chunk_second;
+          widen_e4m3x16(bytes[k], chunk_first, chunk_second);
+          *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
+          *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
+        }
       }
     }
-    if (valid) {
+    if (valid && valid_rows < kBlockN) {               // a piece's partial last page: its tail rows become zeros
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) {
-        uint4 chunk_first, chunk_second;
-        widen_e4m3x16(bytes[pass], chunk_first, chunk_second);
-        *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
-        *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
+        if (row0 + 16 * pass >= valid_rows) {
+          *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = make_uint4(0, 0, 0, 0);
+          *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = make_uint4(0, 0, 0, 0);
+        }
       }
     }
   }
