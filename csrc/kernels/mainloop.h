@@ -617,10 +617,8 @@ struct SplitKvMainloop {
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
           // O_L may be rescaled only once P_a V_a is done; when no reference of the warpgroup moved (the
           // common case) P_b V_b queues behind P_a V_a without a wait. One vote for the whole warpgroup.
-          if (warpgroup_any(WarpgroupBarrier::kRescaleVoted, kWarpgroup, rows_need_rescale(scale))) {
-            wait_pv(tOrO);
-            scale_rows(O, scale);
-          }
+          wait_pv(tOrO);
+          scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
