@@ -23,12 +23,13 @@
 // above is 1 unless a reference moved, which lazy references make rare after a row's first page (a random-score
 // row's first page sets a reference its later pages do not pass by a factor 256); rescales are skipped by warps
 // whose factors are all 1. kPageB, which moves P_a to m_b instead of rescaling O_R twice, issues both of its P V
-// back to back. kPageA waits for P_a V_a before P_b V_b only when a factor of the warpgroup is not 1: one vote
-// for all four warps, since a wait taken by only some warps of a warpgroup puts its WGMMA instructions at
-// different PCs (wgmma is .aligned; synccheck reports it). Measured by a clock64() probe of one CTA's pairs
-// (H100, b = 128, L = 8192, h_q 128, s_q 2): 6,315 cycles per pair (6,550 before lazy references), of which the
-// tensor pipe is busy ~4,350; the pipe idles ~900 cycles between the end of S_b and the issue of P_a V_a (kPageA's
-// softmax) (docs/PERF.md "The ncu picture", timeline).
+// back to back. kPageA always waits for P_a V_a before P_b V_b (all four warps alike: a wait taken by only some
+// warps of a warpgroup puts its WGMMA instructions at different PCs, wgmma being .aligned), then each warp
+// rescales O_L only if one of its factors is not 1: P_a V_a is complete by the time P_b arrives, and the wait
+// measured faster than a warpgroup vote on skipping it (docs/PERF.md). Measured by a clock64() probe of one
+// CTA's pairs (H100, b = 128, L = 8192, h_q 128, s_q 2): 6,315 cycles per pair (6,550 before lazy references), of
+// which the tensor pipe is busy ~4,350; the pipe idles ~900 cycles between the end of S_b and the issue of P_a V_a
+// (kPageA's softmax) (docs/PERF.md "The ncu picture", timeline; probed with the vote, before this wait).
 // A piece with an odd number of pages ends with a pair without b: kPageB then only applies P_a and posts
 // m_b = m_a.
 //
@@ -615,8 +616,7 @@ struct SplitKvMainloop {
           take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
-          // O_L may be rescaled only once P_a V_a is done; when no reference of the warpgroup moved (the
-          // common case) P_b V_b queues behind P_a V_a without a wait. One vote for the whole warpgroup.
+          // O_L may be rescaled only once P_a V_a is done (long done by now in the common case).
           wait_pv(tOrO);
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
