@@ -621,7 +621,8 @@ struct SplitKvMainloop {
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
-          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 0:256] is free
+          // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
+          // one thread's TMA issues before it cost 3 % (docs/PERF.md).
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
           wait_pv(tOrO);
           refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
