@@ -33,8 +33,9 @@ struct RowStats {
 
 // How far (in log2 units of P) a page's maximum may pass a row's reference before the reference moves. With the
 // running maximum as the reference (0 here) nearly every page of a random-score row moves some row maximum of a
-// warpgroup, and each move costs a wait for the warpgroup's P V in flight plus 128 multiplies of O; with 8 a
-// reference set by a row's first page is rarely passed by 8 (a factor 256) later on.
+// warpgroup, and each move costs 128 multiplies of O (and, when the measurement was made, a wait for the
+// warpgroup's P V in flight); with 8 a reference set by a row's first page is rarely passed by 8 (a factor 256)
+// later on.
 constexpr float kLazyRescaleLog2 = 8.f;
 
 // The reference a page is exponentiated against: `reference` while the page's maximum exceeds it by at most
