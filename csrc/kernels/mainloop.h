@@ -38,18 +38,17 @@
 // bar.arrive / bar.sync pairs are as correct by the PTX memory model and faster, but racecheck cannot follow
 // them (docs/HARDENING.md).
 //
-// Copies: each copy unit of a page (8 KiB: a 64-column segment of a 16-bit cache, 128 columns of an fp8 one)
-// is one TMA copy (kv_cache_tma.h) issued by lane 0 of one warp (a refill's units go round the warpgroup's four
-// warps, so no warp issues more than one) and tracked by its own transaction mbarrier. Page k of a piece lives in
-// buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that buffer (possibly
+// Copies: each copy unit of a page (8 KiB: a 64-column segment of a 16-bit cache, 128 columns of an fp8 one) is one
+// TMA copy (kv_cache_tma.h) issued by one thread and tracked by its own transaction mbarrier. Page k of a piece lives
+// in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that buffer (possibly
 // the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the warpgroup has
-// issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md), each V half after its last
-// P V. S takes its K blocks in the order the units are refilled (RoPE first), so it starts before the page has
-// landed. Only S waits for units: the other warpgroup's P V (and its zeroing of tail rows) reads a V half after
-// taking the mailbox that S's warpgroup posted after its waits, and the PTX memory model orders the copy's writes
-// before those reads by causality (the unit's phase completion is observed by the S thread, whose release arrive
-// the reader's acquire wait observes). The re-waits were polls of phases long complete: dropping them took
-// 1.5-2.5 % on the compute-bound rows (docs/PERF.md).
+// issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md), each V half after its last P V.
+// S takes its K blocks in the order the units are refilled (RoPE first), so it starts before the page has landed.
+// Only S waits for units: the other warpgroup's P V (and its zeroing of tail rows) reads a V half after taking the
+// mailbox that S's warpgroup posted after its waits, and the PTX memory model orders the copy's writes before those
+// reads by causality (the unit's phase completion is observed by the S thread, whose release arrive the reader's
+// acquire wait observes). The re-waits were polls of phases long complete: dropping them took 1.5-2.5 % on the
+// compute-bound rows (docs/PERF.md).
 // Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
 // cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
@@ -170,10 +169,8 @@ struct SplitKvMainloop {
       }
       return;
     }
-    // Lane 0 of warp w issues unit first_unit + w: no warp is held up by more than one copy's issue.
-    const int warp = threadIdx.x % kWgThreads / 32;
-    if (!block.valid || threadIdx.x % 32 != 0) return;
-    for (int u = warp; u < num_units; u += kWgThreads / 32) {
+    if (!block.valid || threadIdx.x % kWgThreads != 0) return;
+    for (int u = 0; u < num_units; ++u) {
       const int unit = first_unit + u;
       uint64_t* full = &smem.unit_full[stage][unit];
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kUnitBytes);
