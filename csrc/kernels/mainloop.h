@@ -42,13 +42,13 @@
 // TMA copy (kv_cache_tma.h) issued by one thread and tracked by its own transaction mbarrier. Page k of a piece lives
 // in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that buffer (possibly
 // the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the warpgroup has
-// issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md), each V half after its last P V.
-// S takes its K blocks in the order the units are refilled (RoPE first), so it starts before the page has landed.
-// Only S waits for units: the other warpgroup's P V (and its zeroing of tail rows) reads a V half after taking the
-// mailbox that S's warpgroup posted after its waits, and the PTX memory model orders the copy's writes before those
-// reads by causality (the unit's phase completion is observed by the S thread, whose release arrive the reader's
-// acquire wait observes). The re-waits were polls of phases long complete: dropping them took 1.5-2.5 % on the
-// compute-bound rows (docs/PERF.md).
+// issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md; a sparse page's RoPE gather does
+// go out right after S), each V half after its last P V. S takes its K blocks in the order the units are refilled
+// (RoPE first), so it starts before the page has landed. Only S waits for units: the other warpgroup's P V (and its
+// zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted after its waits, and the
+// PTX memory model orders the copy's writes before those reads by causality (the unit's phase completion is observed
+// by the S thread, whose release arrive the reader's acquire wait observes). The re-waits were polls of phases long
+// complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md).
 // Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
 // cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
@@ -587,6 +587,9 @@ struct SplitKvMainloop {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
+        // The RoPE unit is free once S is. A sparse page's RoPE gather (long cp.async latency) goes out now; a
+        // dense page's TMA copy after P_a V_a's issue, off the path to the post (docs/PERF.md, both measured).
+        if constexpr (Traits::kSparse) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
@@ -606,7 +609,7 @@ struct SplitKvMainloop {
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
-        refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);    // off the path to the post of P_a
+        if constexpr (!Traits::kSparse) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
@@ -644,6 +647,7 @@ struct SplitKvMainloop {
         float rowsum_b[kRowsPerThread] = {0.f, 0.f};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
+          if constexpr (Traits::kSparse) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
@@ -695,7 +699,7 @@ struct SplitKvMainloop {
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
-          refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);  // off the path to the post of P_b
+          if constexpr (!Traits::kSparse) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           wait_pv(tOrO);
