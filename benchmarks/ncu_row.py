@@ -6,6 +6,7 @@ outside the profiled range and one call inside it, then prints one column per ke
     python benchmarks/ncu_row.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
     python benchmarks/ncu_row.py --anchors .anchors --sparse --b 128 --topk 2048 --h-q 64 --s-q 1
     python benchmarks/ncu_row.py --anchors .anchors --fp8 --b 128 --mean 8192 --h-q 128 --s-q 2
+    python benchmarks/ncu_row.py --anchors .anchors --smem --impls flash_mla,head     # shared-memory banks
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
@@ -46,6 +47,19 @@ STALL_METRICS = {
                    "dispatch_stall", "selected", "not_selected")
 }
 
+# `--smem`: the shared-memory data banks (every operand a WGMMA reads from shared memory, TMA's writes, the
+# mailbox's loads and stores) against the tensor pipe: S at N = 64 reads 4 KiB of operands per 32 tensor cycles,
+# the banks' peak, so the split kernel may be bound by the banks rather than by the tensor pipe.
+SMEM_METRICS = {
+    "tensor pipe (gmma) active (% of peak, active cycles)":
+        ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
+    "shared bank reads (% of peak, elapsed)": ("l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "shared bank writes (% of peak, elapsed)": ("l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "shared bank reads (M)": ("l1tex__data_bank_reads.sum", 1e-6),
+    "shared bank writes (M)": ("l1tex__data_bank_writes.sum", 1e-6),
+    "LSU shared wavefronts (M)": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
+}
+
 
 def child(args):
     """Inside ncu: build the workload, run each implementation once warm, once profiled."""
@@ -79,7 +93,7 @@ def parent(args):
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu_row: ncu is not on PATH")
-    shown = {**METRICS, **STALL_METRICS} if args.stalls else METRICS
+    shown = {**METRICS, **(STALL_METRICS if args.stalls else {}), **(SMEM_METRICS if args.smem else {})}
     metrics = ",".join(m for m, _ in shown.values())
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
            "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
@@ -134,6 +148,7 @@ def main():
     ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
+    ap.add_argument("--smem", action="store_true", help="also the shared-memory banks and the tensor pipe")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     (child if args.child else parent)(args)
