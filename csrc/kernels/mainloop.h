@@ -39,7 +39,7 @@
 // them (docs/HARDENING.md).
 //
 // Copies: each copy unit of a page (8 KiB: a 64-column segment of a 16-bit cache, 128 columns of an fp8 one) is one
-// TMA copy (kv_cache_tma.h) issued by one thread and tracked by its own transaction mbarrier. Page k of a piece lives
+// TMA copy (kv_cache_tma.h) issued by lane 0 of one warp and tracked by its own transaction mbarrier. Page k of a piece lives
 // in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that buffer (possibly
 // the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the warpgroup has
 // issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md; a sparse page's RoPE gather does
@@ -156,8 +156,7 @@ struct SplitKvMainloop {
   }
 
   // Copy units [first_unit, first_unit + num_units) of the page in cache block `block` into buffer `stage`: one
-  // thread of the warpgroup arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy:
-  // page_cache_hint). Nothing to do when no page is left for the buffer.
+  // thread arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy: page_cache_hint). Nothing to do when no page is left for the buffer.
   // Sparse cache: the whole warpgroup gathers the units (sparse_gather.h); the RoPE unit's refill records which
   // slots hold a token in key_valid[stage][key_phase], key_phase being the phase bit the page will be waited with.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
@@ -169,8 +168,13 @@ struct SplitKvMainloop {
       }
       return;
     }
-    if (!block.valid || threadIdx.x % kWgThreads != 0) return;
-    for (int u = 0; u < num_units; ++u) {
+    // A refill's units go round the warpgroup's warps (lane 0 of warp w issues units w, w + 4, ...): no warp is
+    // held up by more than one copy's issue (memory-bound rows +0.3 %, docs/PERF.md). Not in the e4m3-scores
+    // kernel: at 255 registers it spilled 20 bytes with it.
+    constexpr int kIssuingWarps = Traits::kE4m3Scores ? 1 : kWgThreads / 32;
+    const int warp = Traits::kE4m3Scores ? 0 : threadIdx.x % kWgThreads / 32;
+    if (!block.valid || threadIdx.x % (kWgThreads / kIssuingWarps) != 0) return;
+    for (int u = warp; u < num_units; u += kIssuingWarps) {
       const int unit = first_unit + u;
       uint64_t* full = &smem.unit_full[stage][unit];
       cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kUnitBytes);
