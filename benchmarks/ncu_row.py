@@ -48,11 +48,10 @@ STALL_METRICS = {
 }
 
 # `--smem`: the shared-memory data banks (every operand a WGMMA reads from shared memory, TMA's writes, the
-# mailbox's loads and stores) against the tensor pipe: S at N = 64 reads 4 KiB of operands per 32 tensor cycles,
-# the banks' peak, so the split kernel may be bound by the banks rather than by the tensor pipe.
+# mailbox's loads and stores) beside the WGMMA count: S at N = 64 reads 4 KiB of operands per 32 tensor cycles,
+# the banks' nominal rate, so the split kernel could be bound by the banks rather than by the tensor pipe.
 SMEM_METRICS = {
-    "tensor pipe (gmma) active (% of peak, active cycles)":
-        ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
+    "WGMMA instructions (M, per warp)": ("sm__inst_executed_pipe_tensor_op_gmma.sum", 1e-6),
     "shared bank reads (% of peak, elapsed)": ("l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed", 1.0),
     "shared bank writes (% of peak, elapsed)": ("l1tex__data_bank_writes.avg.pct_of_peak_sustained_elapsed", 1.0),
     "shared bank reads (M)": ("l1tex__data_bank_reads.sum", 1e-6),
