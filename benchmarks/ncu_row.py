@@ -147,7 +147,7 @@ def main():
     ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
-    ap.add_argument("--smem", action="store_true", help="also the shared-memory banks and the tensor pipe")
+    ap.add_argument("--smem", action="store_true", help="also the shared-memory banks, WGMMA count")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     (child if args.child else parent)(args)

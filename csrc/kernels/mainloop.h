@@ -39,16 +39,17 @@
 // them (docs/HARDENING.md).
 //
 // Copies: each copy unit of a page (8 KiB: a 64-column segment of a 16-bit cache, 128 columns of an fp8 one) is one
-// TMA copy (kv_cache_tma.h) issued by lane 0 of one warp and tracked by its own transaction mbarrier. Page k of a piece lives
-// in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that buffer (possibly
-// the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the warpgroup has
-// issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md; a sparse page's RoPE gather does
-// go out right after S), each V half after its last P V. S takes its K blocks in the order the units are refilled
-// (RoPE first), so it starts before the page has landed. Only S waits for units: the other warpgroup's P V (and its
-// zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted after its waits, and the
-// PTX memory model orders the copy's writes before those reads by causality (the unit's phase completion is observed
-// by the S thread, whose release arrive the reader's acquire wait observes). The re-waits were polls of phases long
-// complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md).
+// TMA copy (kv_cache_tma.h) issued by lane 0 of one warp and tracked by its own transaction mbarrier. Page k of a
+// piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
+// buffer (possibly the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the
+// warpgroup has issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md; a sparse page's
+// RoPE gather does go out right after S), each V half after its last P V. S takes its K blocks in the order the
+// units are refilled (RoPE first), so it starts before the page has landed. Only S waits for units: the other
+// warpgroup's P V (and its zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted
+// after its waits, and the PTX memory model orders the copy's writes before those reads by causality (the unit's
+// phase completion is observed by the S thread, whose release arrive the reader's acquire wait observes). The
+// re-waits were polls of phases long complete: dropping them took 1.5-2.5 % on the compute-bound rows
+// (docs/PERF.md).
 // Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
 // cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
@@ -156,7 +157,8 @@ struct SplitKvMainloop {
   }
 
   // Copy units [first_unit, first_unit + num_units) of the page in cache block `block` into buffer `stage`: one
-  // thread arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy: page_cache_hint). Nothing to do when no page is left for the buffer.
+  // thread arms each unit's barrier with the unit's bytes and issues its TMA copy (L2 policy: page_cache_hint).
+  // Nothing to do when no page is left for the buffer.
   // Sparse cache: the whole warpgroup gathers the units (sparse_gather.h); the RoPE unit's refill records which
   // slots hold a token in key_valid[stage][key_phase], key_phase being the phase bit the page will be waited with.
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
@@ -172,6 +174,8 @@ struct SplitKvMainloop {
     // held up by more than one copy's issue (memory-bound rows +0.3 %, docs/PERF.md). Not in the e4m3-scores
     // kernel: at 255 registers it spilled 20 bytes with it.
     constexpr int kIssuingWarps = Traits::kE4m3Scores ? 1 : kWgThreads / 32;
+    // warp is 0 in the e4m3-scores kernel by construction (only thread 0 passes), but ptxas spilled 12 bytes
+    // there when it was computed from threadIdx: the constant keeps that kernel's code as it was.
     const int warp = Traits::kE4m3Scores ? 0 : threadIdx.x % kWgThreads / 32;
     if (!block.valid || threadIdx.x % (kWgThreads / kIssuingWarps) != 0) return;
     for (int u = warp; u < num_units; u += kIssuingWarps) {
