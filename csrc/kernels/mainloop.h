@@ -285,12 +285,14 @@ struct SplitKvMainloop {
     if (Traits::kFp8Cache || Traits::kSparse || valid_rows >= kBlockN) return;
     constexpr int kChunksPerRow = kSegmentCols * int(sizeof(Element)) / 16;    // a row is 128 bytes
     const int tail_chunks = (kBlockN - valid_rows) * kChunksPerRow;           // per segment
-    uint4* buffer = reinterpret_cast<uint4*>(smem.k[stage].data());
-    for (int i = threadIdx.x % kWgThreads; i < kVHalf * tail_chunks; i += kWgThreads) {
-      const int seg = warpgroup * kVHalf + i / tail_chunks;
-      // The swizzle permutes 16-byte chunks within a 128-byte row, so rows >= valid_rows are one byte range.
-      buffer[seg * (kSegmentBytes / 16) + valid_rows * kChunksPerRow + i % tail_chunks] =
-          make_uint4(0, 0, 0, 0);
+    // The swizzle permutes 16-byte chunks within a 128-byte row, so rows >= valid_rows are one byte range per
+    // segment. A rolled loop, no division: this rare path sits inside the pair loop's code.
+    uint4* tail = reinterpret_cast<uint4*>(smem.k[stage].data()) + warpgroup * kVHalf * (kSegmentBytes / 16) +
+                  valid_rows * kChunksPerRow;
+#pragma unroll 1
+    for (int i = threadIdx.x % kWgThreads; i < tail_chunks; i += kWgThreads) {
+      CUTE_UNROLL
+      for (int seg = 0; seg < kVHalf; ++seg) tail[seg * (kSegmentBytes / 16) + i] = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
     warpgroup_sync(WarpgroupBarrier::kTailRowsZeroed, warpgroup);
@@ -306,7 +308,7 @@ struct SplitKvMainloop {
     }
     const int wg_thread = threadIdx.x % kWgThreads;
     const Element* q = static_cast<const Element*>(p.q);
-    CUTE_UNROLL
+#pragma unroll 1    // once per piece, inside kPageB's pair loop: its code is kept short
     for (int i = 0; i < kCopyRowIters; ++i) {
       const int row = m_tile * Traits::kBlockM + wg_thread / 8 + i * kCopyRowStep;
       const bool valid = row < p.rows_per_kv;
