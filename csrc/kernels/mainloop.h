@@ -599,7 +599,7 @@ struct SplitKvMainloop {
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
         // The RoPE unit is free once S is. A sparse page's RoPE gather (long cp.async latency) goes out now; a
         // dense page's TMA copy after P_a V_a's issue, off the path to the post (docs/PERF.md, both measured).
-        if constexpr (Traits::kSparse) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (Traits::kSparse || Traits::kE4m3Scores) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
@@ -619,7 +619,7 @@ struct SplitKvMainloop {
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
-        if constexpr (!Traits::kSparse) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (!Traits::kSparse && !Traits::kE4m3Scores) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
@@ -657,7 +657,7 @@ struct SplitKvMainloop {
         float rowsum_b[kRowsPerThread] = {0.f, 0.f};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
-          if constexpr (Traits::kSparse) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (Traits::kSparse || Traits::kE4m3Scores) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
@@ -709,7 +709,7 @@ struct SplitKvMainloop {
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
-          if constexpr (!Traits::kSparse) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (!Traits::kSparse && !Traits::kE4m3Scores) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           wait_pv(tOrO);
