@@ -42,8 +42,8 @@
 // TMA copy (kv_cache_tma.h) issued by lane 0 of one warp and tracked by its own transaction mbarrier. Page k of a
 // piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
 // buffer (possibly the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the
-// warpgroup has issued its P V (right after S, it delayed the softmax and the post: docs/PERF.md; a sparse page's
-// RoPE gather does go out right after S), each V half after its last P V. S takes its K blocks in the order the
+// warpgroup has issued its P V, or right after S in the sparse and e4m3-scores kernels (kRopeRefillAfterS), each
+// V half after its last P V. S takes its K blocks in the order the
 // units are refilled (RoPE first), so it starts before the page has landed. Only S waits for units: the other
 // warpgroup's P V (and its zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted
 // after its waits, and the PTX memory model orders the copy's writes before those reads by causality (the unit's
@@ -123,6 +123,12 @@ struct SplitKvMainloop {
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
   static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
+  // When the RoPE unit is refilled: right after S frees it, or after the warpgroup has issued its P V (off the path
+  // to the post). Measured per kernel (docs/PERF.md): after the P V issue for the 16-bit kernels and the fp8 one with
+  // a 16-bit q (compute-bound rows +0.5 %); right after S for a sparse page (its cp.async gather has a long latency:
+  // sparse rows 0.605 vs 0.583) and for the e4m3-scores kernel (fp8 memory-bound rows 1.458 vs 1.443).
+  static constexpr bool kRopeRefillAfterS = Traits::kSparse || Traits::kE4m3Scores;
+
   // L2 policy of the page copies. Evict-first by default: the cache is streamed once and must not displace what
   // else is in L2, above all the fp32 partials of split pieces, which the combine reads next. With several row
   // tiles per KV head (h_q * s_q > 64) the tiles of an SM part read the same pages at nearly the same time, and
@@ -597,9 +603,8 @@ struct SplitKvMainloop {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
-        // The RoPE unit is free once S is. A sparse page's RoPE gather (long cp.async latency) goes out now; a
-        // dense page's TMA copy after P_a V_a's issue, off the path to the post (docs/PERF.md, both measured).
-        if constexpr (Traits::kSparse || Traits::kE4m3Scores) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
+        if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
@@ -619,7 +624,7 @@ struct SplitKvMainloop {
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
         issue_pv(tOrPa, tOrVa, tOrO);
-        if constexpr (!Traits::kSparse && !Traits::kE4m3Scores) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
@@ -657,7 +662,7 @@ struct SplitKvMainloop {
         float rowsum_b[kRowsPerThread] = {0.f, 0.f};
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
-          if constexpr (Traits::kSparse || Traits::kE4m3Scores) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
@@ -709,7 +714,7 @@ struct SplitKvMainloop {
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           issue_pv(tOrPb, tOrVb, tOrO);
-          if constexpr (!Traits::kSparse && !Traits::kE4m3Scores) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           wait_pv(tOrO);
