@@ -7,6 +7,7 @@ outside the profiled range and one call inside it, then prints one column per ke
     python benchmarks/ncu_row.py --anchors .anchors --sparse --b 128 --topk 2048 --h-q 64 --s-q 1
     python benchmarks/ncu_row.py --anchors .anchors --fp8 --b 128 --mean 8192 --h-q 128 --s-q 2
     python benchmarks/ncu_row.py --anchors .anchors --smem --impls flash_mla,head     # shared-memory banks
+    python benchmarks/ncu_row.py --anchors .anchors --l2 --impls flash_mla,head       # L2 load, crossbar bytes
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
@@ -59,6 +60,16 @@ SMEM_METRICS = {
     "LSU shared wavefronts (M)": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
 }
 
+# `--l2`: every L2 read (TMA copies included, whatever unit asked), the bytes L2 sends the SMs over the crossbar,
+# and how busy L2 is: whether the row tiles that each read every page of their KV head are bound by L2 bandwidth.
+L2_METRICS = {
+    "L2 sectors read, all units / cache sectors": ("lts__t_sectors_op_read.sum", PER_CACHE_SECTOR),
+    "crossbar bytes L2 -> SMs / cache bytes": ("l1tex__m_xbar2l1tex_read_bytes.sum", PER_CACHE_BYTE),
+    "L2 throughput (% of peak, elapsed)": ("lts__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "L2 sectors (% of peak, elapsed)": ("lts__t_sectors.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "DRAM throughput (% of peak, elapsed)": ("dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+}
+
 
 def child(args):
     """Inside ncu: build the workload, run each implementation once warm, once profiled."""
@@ -92,7 +103,8 @@ def parent(args):
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu_row: ncu is not on PATH")
-    shown = {**METRICS, **(STALL_METRICS if args.stalls else {}), **(SMEM_METRICS if args.smem else {})}
+    shown = {**METRICS, **(STALL_METRICS if args.stalls else {}), **(SMEM_METRICS if args.smem else {}),
+             **(L2_METRICS if args.l2 else {})}
     metrics = ",".join(m for m, _ in shown.values())
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
            "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
@@ -148,6 +160,7 @@ def main():
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
     ap.add_argument("--smem", action="store_true", help="also the shared-memory banks, WGMMA count")
+    ap.add_argument("--l2", action="store_true", help="also all L2 reads, crossbar bytes to the SMs, L2 and DRAM load")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     (child if args.child else parent)(args)
