@@ -93,6 +93,20 @@ __device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat1
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
+// Adds `bytes` to the transaction count the mbarrier's current phase waits for (no arrival).
+__device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
+}
+
+// 128 bytes global -> shared by the bulk-copy (TMA) unit, completing 128 transaction bytes on `bar`.
+__device__ __forceinline__ void bulk_copy_128(void* smem_dst, const void* gmem_src, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 128, [%2];\n"
+               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))), "l"(gmem_src),
+               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+               : "memory");
+}
+
 template <class Traits>
 struct SparseGather {
   static constexpr int kBlockN = Traits::kBlockN;
@@ -125,13 +139,20 @@ struct SparseGather {
         if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
       } else {
+        // A row's 128 latent bytes by one bulk copy (the TMA unit, not the LSU: one instruction, not eight) from
+        // its first thread, which zero-fills the row by cp.async instead when the slot names no token; the
+        // scale by cp.async from its second thread. The barrier expects each warp's bulk bytes before they come.
         char* dst = tile + Traits::first_segment(unit) * kSegmentBytes + row * 128;
-        CUTE_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          const int chunk = 4 * half + c;
-          cp_async_16_zfill(dst + chunk * 16, src + unit * 128 + chunk * 16, has_token);
-        }
-        if (half == 0) {
+        const bool bulk = half == 0 && has_token;
+        const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
+        if (threadIdx.x % 32 == 0 && bulk_rows != 0) expect_bytes(&full[unit], bulk_rows * 128);
+        __syncwarp();
+        if (bulk) {
+          bulk_copy_128(dst, src + unit * 128, &full[unit]);
+        } else if (half == 0) {
+          CUTE_UNROLL
+          for (int chunk = 0; chunk < 8; ++chunk) cp_async_16_zfill(dst + chunk * 16, src, false);
+        } else {
           cp_async_4_zfill(dst + kSegmentBytes, src + SparseTokenLayout::kScalesOffset + 4 * unit, has_token);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
