@@ -70,9 +70,10 @@
 // and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
-// tokens gathered by cp.async into the FP8 cache's unit layout by the warpgroup that refills each unit (the same
-// owners and moments as the TMA refills; every thread of that warpgroup copies and arrives, so the units'
-// mbarriers count 128), each thread using the index PieceRange looked up for its copy row at the top of the pair.
+// tokens gathered (bulk copies of latent rows, cp.async for scales and RoPE rows) into the FP8 cache's unit layout
+// by the warpgroup that refills each unit (the same owners and moments as the TMA refills; every thread of that
+// warpgroup copies and arrives, so the units' mbarriers count 128), each thread using the index PieceRange looked
+// up for its copy row at the top of the pair.
 // The warpgroup that computes S dequantises each latent unit to bf16 just before its WGMMAs (as the widening
 // above; the RoPE unit arrives as bf16) and masks the slots that hold no token (key_valid, written by its own
 // RoPE refill). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60 times
