@@ -18,9 +18,9 @@
 // cp.async of the latent rows (eight per row) measured 11-13 % slower on the b = 128 rows (docs/PERF.md): each
 // warp instruction touched 16 tokens' lines. Each thread arrives on the unit's mbarrier (count 128) once its
 // cp.async copies have landed (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk
-// bytes to the phase's transaction count (so the phase cannot complete before them). The RoPE refill, issued by the warpgroup that computes S on the buffer, also
-// records which slots hold a token (key_valid, one ballot word per warp, plain stores); that warpgroup reads them
-// after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync in
+// bytes to the phase's transaction count (so the phase cannot complete before them). The RoPE refill, issued by
+// the warpgroup that computes S on the buffer, also records which slots hold a token (key_valid, one ballot word per
+// warp, plain stores); that warpgroup reads them after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync in
 // between, which orders the stores before the reads. (A second, plain arrival on the RoPE unit's mbarrier would
 // order them too, but a thread arriving twice in one phase is what synccheck reports as a missing wait.)
 //
