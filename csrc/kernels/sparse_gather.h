@@ -11,17 +11,17 @@
 // V rows are zero and S masks them through key_valid, so whatever the cache holds elsewhere never enters the result.
 //
 // Copies, issued by the 128 threads of the warpgroup that refills the unit (mainloop.h): thread t serves row t / 2,
-// whose index PieceRange looked up for it (copy_row), with half t % 2 of the work. A latent row's 128 bytes go by
-// one 128-byte bulk copy of the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on the unit's
-// mbarrier), its scale by a 4-byte cp.async of the second; a RoPE row by four 16-byte cp.async per thread (into
-// the swizzled layout, which a bulk copy cannot write); a slot with no token by zero-filling cp.async. Per-thread
-// cp.async of the latent rows (eight per row) measured 11-13 % slower on the b = 128 rows (docs/PERF.md): each
-// warp instruction touched 16 tokens' lines. Each thread arrives on the unit's mbarrier (count 128) once its
-// cp.async copies have landed (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk
-// bytes to the phase's transaction count (so the phase cannot complete before them). The RoPE refill, issued by
-// the warpgroup that computes S on the buffer, also records which slots hold a token (key_valid, one ballot word per
-// warp, plain stores); that warpgroup reads them after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync in
-// between, which orders the stores before the reads. (A second, plain arrival on the RoPE unit's mbarrier would
+// whose index PieceRange looked up for it (copy_row), with half t % 2 of the work. A latent row's 128 bytes go by one
+// 128-byte bulk copy of the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on the unit's mbarrier),
+// its scale by a 4-byte cp.async of the second; a RoPE row by four 16-byte cp.async per thread (into the swizzled
+// layout, which a bulk copy cannot write); a slot with no token by zero-filling cp.async. Per-thread cp.async of the
+// latent rows (eight per row) measured 11-13 % slower on the b = 128 rows (docs/PERF.md): each warp instruction touched
+// 16 tokens' lines. Each thread arrives on the unit's mbarrier (count 128) once its cp.async copies have landed
+// (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk bytes to the phase's transaction
+// count (so the phase cannot complete before them). The RoPE refill, issued by the warpgroup that computes S on the
+// buffer, also records which slots hold a token (key_valid, one ballot word per warp, plain stores); that warpgroup
+// reads them after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync
+// in between, which orders the stores before the reads. (A second, plain arrival on the RoPE unit's mbarrier would
 // order them too, but a thread arriving twice in one phase is what synccheck reports as a missing wait.)
 //
 // Dequantisation: bf16(stored * scale * 2^-60), by the warpgroup that computes S, one unit just before its WGMMAs
