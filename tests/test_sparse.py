@@ -209,14 +209,16 @@ def test_without_topk_length_and_custom_scale(nan_empty):
         check(batch, out, lse, softmax_scale=0.07, what=form)
 
 
-def test_minus_one_slots(nan_empty):
-    """A row all -1 (out 0, lse -inf), trailing -1 and interleaved -1, with and without topk_length."""
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_minus_one_slots(nan_empty, h_q):
+    """A row all -1 (out 0, lse -inf), trailing -1 and interleaved -1, with and without topk_length (h_q 128: two row
+    tiles per query token, four per row, on the Hopper kernel)."""
     def edit(indices):
         indices[0] = -1                                     # nothing to attend to, in both query tokens
         indices[1, :, 70:] = -1                             # trailing
         indices[2, :, ::2] = -1                             # interleaved
         indices[3, 1, :] = -1                               # one query token of a row
-    batch = make_sparse_batch(b=4, s_q=2, h_q=16, topk=140, seed=2, minus_one=0.0, edit=edit)
+    batch = make_sparse_batch(b=4, s_q=2, h_q=h_q, topk=140, seed=2, minus_one=0.0, edit=edit)
     for tl in (None, torch.tensor([140, 100, 77, 140], dtype=torch.int32)):
         batch.topk_length = tl
         out, lse = run(batch, "classic")
@@ -225,7 +227,8 @@ def test_minus_one_slots(nan_empty):
         assert torch.isfinite(ref_lse[1:3]).all() and torch.isfinite(ref_lse[3, :, 0]).all()
 
 
-def test_repeated_indices(nan_empty):
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_repeated_indices(nan_empty, h_q):
     """A repeated index is one more key each time: every slot naming token t gives out = V_t exactly (up to the
     output's rounding) and lse = score + log(count)."""
     t = 5 * 64 + 17
@@ -233,17 +236,18 @@ def test_repeated_indices(nan_empty):
     def edit(indices):
         indices[0] = t                                      # all 96 slots the same token
         indices[1, :, ::3] = indices[1, :, 1::3]            # pairs of duplicates among distinct tokens
-    batch = make_sparse_batch(b=3, s_q=2, h_q=16, topk=96, seed=3, unique=False, minus_one=0.0, edit=edit)
+    batch = make_sparse_batch(b=3, s_q=2, h_q=h_q, topk=96, seed=3, unique=False, minus_one=0.0, edit=edit)
     out, lse = run(batch)
     check(batch, out, lse)
     token = dequantize_kv_cache_v32(batch.k_cache.view(-1, 1, TOKEN_BYTES)[t]).view(576)
-    expected = token[:512].expand(2, 16, 512).to(torch.bfloat16)
+    expected = token[:512].expand(2, h_q, 512).to(torch.bfloat16)
     assert torch.equal(out[0], expected)
     score = (batch.q[0].float() @ token) * 576 ** -0.5                                   # (s_q, h_q)
     torch.testing.assert_close(lse[0], (score + math.log(96)).T, atol=1e-4, rtol=0)
 
 
-def test_page_boundaries(nan_empty):
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_page_boundaries(nan_empty, h_q):
     """Tokens at offsets 0 and 63 of many pages, the cache's first and last tokens."""
     pages = torch.arange(20)
     edges = torch.cat([pages * 64, pages * 64 + 63, torch.tensor([0, 20 * 64 - 1])]).int()   # 42 tokens
@@ -251,7 +255,7 @@ def test_page_boundaries(nan_empty):
     def edit(indices):
         indices[:, :, :42] = edges
         indices[1, 1, :42] = edges.flip(0)
-    batch = make_sparse_batch(b=2, s_q=2, h_q=16, topk=64, num_blocks=20, seed=4, minus_one=0.0, edit=edit)
+    batch = make_sparse_batch(b=2, s_q=2, h_q=h_q, topk=64, num_blocks=20, seed=4, minus_one=0.0, edit=edit)
     out, lse = run(batch)
     check(batch, out, lse)
 
@@ -273,16 +277,17 @@ def test_attn_sink(nan_empty, h_q, form):
     assert (factor[seen] < 0.99).any(), "the sinks hardly change the output: the test would prove nothing"
 
 
-def test_split_independence(nan_empty):
+@pytest.mark.parametrize("h_q", [16, 128])
+def test_split_independence(nan_empty, h_q):
     """num_sms 1, 7 and 132: from unsplit rows to rows cut into several pieces (workspace + combine), the same
     answer up to float rounding, for both plans (full topk and topk_length)."""
     lengths = [0, 300, 1, 257, 64, 130]
-    batch = make_sparse_batch(b=6, s_q=2, h_q=16, topk=300, num_blocks=40, topk_length=lengths, seed=6)
+    batch = make_sparse_batch(b=6, s_q=2, h_q=h_q, topk=300, num_blocks=40, topk_length=lengths, seed=6)
     pieces = {}
     results = {}
     for num_sms in (1, 7, H100_SMS):
         for form in ("lazy", "classic"):
-            _, ns = (get_mla_metadata_twin(batch.topk_length, 32, 1, num_sms) if form == "lazy"
+            _, ns = (get_mla_metadata_twin(batch.topk_length, 2 * h_q, 1, num_sms) if form == "lazy"
                      else plan_classic(batch, num_sms))
             pieces[num_sms, form] = ns.diff().max().item()
             results[num_sms, form] = run(batch, form, num_sms=num_sms)
