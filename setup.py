@@ -69,6 +69,14 @@ def extensions():
         "-U__CUDA_NO_HALF_OPERATORS__", "-U__CUDA_NO_HALF_CONVERSIONS__", "-U__CUDA_NO_HALF2_OPERATORS__",
         "-U__CUDA_NO_BFLOAT16_OPERATORS__", "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
     ]
+    cxx_flags = ["-O3", "-std=c++17"]
+    # A build meant to be timed beside others in one process names its symbols apart (csrc/kernels/variant.h).
+    variant = os.environ.get("FLASH_MLA_VARIANT", "")
+    if variant:
+        if not variant.isidentifier():
+            raise SystemExit(f"FLASH_MLA_VARIANT: expected a C++ identifier, got {variant!r}")
+        nvcc_flags.append(f"-DFLASH_MLA_VARIANT={variant}")
+        cxx_flags.append(f"-DFLASH_MLA_VARIANT={variant}")
     include_dirs = [str(ROOT / "csrc"), str(ROOT / "csrc" / "kernels"), cutlass_include(),
                     str(Path(CUDA_HOME) / "include" / "cccl")]
     log(f"building the CUDA extension for sm_90a ({len(kernels)} kernel files)")
@@ -76,7 +84,7 @@ def extensions():
         name="flash_mla._cuda",
         sources=["csrc/flash_mla_api.cpp"] + kernels,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": ["-O3", "-std=c++17"], "nvcc": nvcc_flags},
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
     )
     return [ext], {"build_ext": BuildExtension}
 

@@ -18,6 +18,13 @@ referee's anchors on its workloads:
 Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
 build's kernels (their kernels have the same names; on the H100 with CUDA 13.0 a build that copies nothing gave
 bit-identical outputs to the baseline), so every earlier in-process comparison measured one kernel against itself.
+Compute-bound rows drift by ~1.5 % (18-row geomean) between processes even for identical kernels. With
+--same-process all variants share one process, timed in turn on each workload: build each with its own
+FLASH_MLA_VARIANT (csrc/kernels/variant.h puts every symbol in flash_mla::<name>), which the child checks:
+
+    (cd /tmp/e0 && FLASH_MLA_VARIANT=e0 MAX_JOBS=8 python3 setup.py build_ext --inplace)   # likewise e1
+    python3 benchmarks/sxs_variants.py --anchors .anchors --only table --same-process --repeat 2 /tmp/e0 /tmp/e1
+
 In its process, a variant's extension (flash_mla/_cuda*.so) is loaded directly and called through its binding
 (no Python validation, the device plan for 132 SMs), timed exactly as the referee times flash_mla
 (`sxs.time_graph`: N calls over N cache copies in one CUDA graph, best of two medians), interleaved per workload
@@ -107,30 +114,37 @@ def workloads(sxs, args):
 
 
 def child(args):
-    """Times one variant and the anchors on every workload; one JSON line per workload, results into --save."""
+    """Times its variants (one, or all with --same-process) and the anchors on every workload, interleaved; one JSON
+    line per workload, each variant's results into --save/<k>/."""
     sys.path.insert(0, os.path.abspath(args.anchors))
     import sxs
     import torch
 
-    variant = (RawSparseExtension if args.sparse else RawFp8Extension if args.fp8 else RawExtension)(args.folders[0])
+    kind = RawSparseExtension if args.sparse else RawFp8Extension if args.fp8 else RawExtension
+    variants = [kind(folder) for folder in args.folders]
+    tags = [getattr(v.mod, "variant", "build") for v in variants]
+    if len(set(tags)) != len(tags):
+        raise SystemExit(f"--same-process needs builds with distinct FLASH_MLA_VARIANT (setup.py), got {tags}: "
+                         "builds whose kernels share names all run the first one's")
     anchors = [sxs.AnchorHeadSparse()] if args.sparse else [sxs.AnchorV1(), sxs.AnchorHead()]
     for wi, (_group, _label, make, causal, _s_q, _h_q) in enumerate(workloads(sxs, args)):
         q, ks, bt, seqlens = make(wi)
         # Keyed by position, not name: a variant folder may be called like an anchor ("v1", "head").
-        impls = [variant] + anchors
-        best, result = [math.inf] * len(impls), None
+        impls = variants + anchors
+        best, results = [math.inf] * len(impls), [None] * len(variants)
         for _ in range(2):
             for i, impl in enumerate(impls):
                 t, res = sxs.time_graph(impl, q, ks, bt, seqlens, causal)
                 best[i] = min(best[i], t)
-                if impl is variant:
-                    result = res
-        out, lse = result
-        torch.save({"out": out.reshape(-1)[::4].float().cpu(), "lse_inf": torch.isinf(lse).cpu()},
-                   os.path.join(args.save, f"{wi}.pt"))
-        print(json.dumps({"wi": wi, "variant": best[0], "anchor": min(best[1:])}),
+                if i < len(variants):
+                    results[i] = res
+        for k, (out, lse) in enumerate(results):
+            os.makedirs(os.path.join(args.save, str(k)), exist_ok=True)
+            torch.save({"out": out.reshape(-1)[::4].float().cpu(), "lse_inf": torch.isinf(lse).cpu()},
+                       os.path.join(args.save, str(k), f"{wi}.pt"))
+        print(json.dumps({"wi": wi, "variants": best[:len(variants)], "anchor": min(best[len(variants):])}),
               flush=True)
-        del q, ks, bt, seqlens, result, out, lse
+        del q, ks, bt, seqlens, results
         torch.cuda.empty_cache()
 
 
@@ -148,6 +162,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="time the whole list of variants this many times, one process each, in order (A B A B ...): "
                          "compute-bound rows drift by a few %% between processes, so compare the repeats")
+    ap.add_argument("--same-process", action="store_true",
+                    help="time all variants in one process, interleaved per workload (each built with its own "
+                         "FLASH_MLA_VARIANT=name, csrc/kernels/variant.h); --repeat then repeats that process")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("folders", nargs="+", help="one built tree per variant; the first is the baseline")
@@ -161,26 +178,32 @@ def main():
     names = [os.path.basename(os.path.normpath(f)) for f in args.folders]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant folders need distinct names: {names}")
-    folders = list(args.folders) * args.repeat
-    names = [n if r == 0 else f"{n}#{r + 1}" for r in range(args.repeat) for n in names]
+    # One timing process per (repeat, variant), or per repeat with all variants in it (--same-process).
+    groups_of = [list(zip(names, args.folders))] if args.same_process else [[nf] for nf in zip(names, args.folders)]
+    runs = [[(n if r == 0 else f"{n}#{r + 1}", f) for n, f in group] for r in range(args.repeat) for group in groups_of]
+    names = [n for run in runs for n, _f in run]
     work = workloads(sxs, args)
     times = {}   # name -> list of (variant seconds, anchor seconds) per workload
+    saved = {}   # name -> folder of its results
     with tempfile.TemporaryDirectory() as tmp:
-        for name, folder in zip(names, folders):
-            save = os.path.join(tmp, name)
+        for ri, run_variants in enumerate(runs):
+            save = os.path.join(tmp, f"run{ri}")
             os.makedirs(save)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
                    "--only", args.only] + (["--sparse"] if args.sparse else []) + (["--fp8"] if args.fp8 else []) + \
-                  (["--rows", args.rows] if args.rows else []) + [folder]
+                  (["--rows", args.rows] if args.rows else []) + [f for _n, f in run_variants]
             run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+            label = ", ".join(n for n, _f in run_variants)
             if run.returncode != 0 or len(rows) != len(work):
-                raise SystemExit(f"{name}: the timing process failed (exit {run.returncode}, {len(rows)} rows)")
-            times[name] = [(r["variant"], r["anchor"]) for r in rows]
+                raise SystemExit(f"{label}: the timing process failed (exit {run.returncode}, {len(rows)} rows)")
+            for k, (name, _f) in enumerate(run_variants):
+                times[name] = [(r["variants"][k], r["anchor"]) for r in rows]
+                saved[name] = os.path.join(save, str(k))
         for wi, (_group, label, *_rest) in enumerate(work):
-            base = torch.load(os.path.join(tmp, names[0], f"{wi}.pt"))
+            base = torch.load(os.path.join(saved[names[0]], f"{wi}.pt"))
             for name in names[1:] if not args.timing_only else []:
-                other = torch.load(os.path.join(tmp, name, f"{wi}.pt"))
+                other = torch.load(os.path.join(saved[name], f"{wi}.pt"))
                 rel = ((other["out"] - base["out"]).norm() / base["out"].norm().clamp_min(1e-20)).item()
                 if not rel < 1e-2 or not torch.equal(other["lse_inf"], base["lse_inf"]):
                     raise SystemExit(f"{label}: variant {name} disagrees with {names[0]} (out rel-L2 {rel:.1e})")

@@ -10,8 +10,9 @@
 #include <string>
 
 #include "kernels/params.h"
+#include "kernels/variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 namespace {
 
 #define CHECK_DEVICE(x, dev) TORCH_CHECK((x).device() == (dev), #x ": expected a tensor on ", dev, ", got ", (x).device())
@@ -275,10 +276,11 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
 }
 
 }  // namespace
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_mla Hopper kernels (sm_90a)";
+  m.attr("variant") = FLASH_MLA_VARIANT_NAME;    // kernels/variant.h: this build's inner namespace
   m.def("get_mla_metadata", &flash_mla::get_mla_metadata, "Tile scheduler on the device",
         pybind11::arg("cache_seqlens"), pybind11::arg("num_heads_per_head_k"), pybind11::arg("num_heads_k"),
         pybind11::arg("num_sms"));

@@ -56,8 +56,9 @@
 
 #include "launch.h"
 #include "params.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kCombineWarps = 8;
@@ -602,4 +603,4 @@ void launch_mla_combine_fp16(const DecodeParams& params, void* stream) {
   launch_combine<cutlass::half_t>(params, static_cast<cudaStream_t>(stream));
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

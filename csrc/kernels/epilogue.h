@@ -10,8 +10,9 @@
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 template <class Traits>
 struct SplitKvEpilogue {
@@ -100,4 +101,4 @@ struct SplitKvEpilogue {
   }
 };
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -20,8 +20,9 @@
 #include <string>
 
 #include "params.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 using TensorMapEncoder = decltype(&cuTensorMapEncodeTiled);
 
@@ -70,4 +71,4 @@ inline void encode_kv_cache_tma(DecodeParams& params, CacheDtype dtype) {
   }
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

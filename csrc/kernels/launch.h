@@ -6,7 +6,9 @@
 
 #include <utility>
 
-namespace flash_mla {
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
 
 // With `programmatic`, the grid's CTAs may be scheduled before the previous kernel on `stream` has finished; the
 // kernel must then wait in griddepcontrol.wait before it reads anything that kernel writes (without the attribute
@@ -27,4 +29,4 @@ void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int sme
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

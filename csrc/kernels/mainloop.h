@@ -93,8 +93,9 @@
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
 #include "utils.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 // Phase bits of the mbarriers, tracked identically by both warpgroups.
 struct PipelinePhases {
@@ -785,4 +786,4 @@ struct SplitKvMainloop {
   }
 };
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -9,8 +9,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include "params.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kThreads = 1024;
@@ -113,4 +114,4 @@ void launch_mla_metadata(const MetadataParams& params, void* stream) {
   mla_metadata_kernel<<<1, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(params);
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -4,7 +4,9 @@
 
 #include <cutlass/arch/barrier.h>
 
-namespace flash_mla {
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
 
 // Barriers inside one warpgroup (128 threads); ids are this value + the warpgroup's index.
 enum class WarpgroupBarrier : uint32_t {
@@ -23,4 +25,4 @@ __device__ __forceinline__ void warpgroup_sync(WarpgroupBarrier barrier, int war
   cutlass::arch::NamedBarrier::sync(kWarpgroupBarrierThreads, static_cast<uint32_t>(barrier) + warpgroup);
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

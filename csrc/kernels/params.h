@@ -4,7 +4,9 @@
 
 #include <cstdint>
 
-namespace flash_mla {
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
 
 // Fixed problem geometry of DeepSeek MLA after weight absorption.
 constexpr int kHeadDimQK = 576;       // 512 latent ("NoPE") + 64 RoPE columns
@@ -105,4 +107,4 @@ void launch_mla_splitkv_sparse(const DecodeParams& params, void* stream);  // 65
 void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
 void launch_mla_combine_fp16(const DecodeParams& params, void* stream);
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

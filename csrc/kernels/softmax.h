@@ -13,8 +13,9 @@
 #include <cute/tensor.hpp>
 
 #include "utils.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 // A thread of an SM90 accumulator owns two rows (r and r + 8 of its warp's 16).
 constexpr int kRowsPerThread = 2;
@@ -162,4 +163,4 @@ __device__ __forceinline__ void scale_probs(TensorP& P, const float (&factor)[kR
   }
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

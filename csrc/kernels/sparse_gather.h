@@ -40,8 +40,9 @@
 
 #include "params.h"
 #include "tile_scheduler.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 // 2^60 (see the file comment).
 constexpr float kSparseKScale = 1.152921504606846976e18f;
@@ -222,4 +223,4 @@ struct SparseGather {
   }
 };
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -20,8 +20,9 @@
 #include "params.h"
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 template <class Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const __grid_constant__ DecodeParams params) {
@@ -95,4 +96,4 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
                 Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, params);
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -10,8 +10,9 @@
 #include <cutlass/numeric_types.h>
 
 #include "params.h"
+#include "variant.h"
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 // The two warpgroups of a CTA. Pages of a piece are taken in pairs (a, b) = (2j, 2j + 1):
 //   kPageA computes S = Q K_a^T and its softmax, and owns O[:, 0:256];
@@ -172,4 +173,4 @@ struct SplitKvTraits {
   static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + the mailbox must fit in one SM's shared memory");
 };
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

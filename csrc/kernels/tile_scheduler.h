@@ -7,6 +7,7 @@
 #pragma once
 
 #include "params.h"
+#include "variant.h"
 
 // Host-callable as well, so that csrc/checks/tile_scheduler_walk.cu can walk a plan on the CPU the way the
 // mainloop does (tests/test_tile_scheduler_walk.py; nvcc or a plain C++ compiler).
@@ -16,7 +17,7 @@
 #define FLASH_MLA_HOST_DEVICE
 #endif
 
-namespace flash_mla {
+FLASH_MLA_NAMESPACE_BEGIN
 
 // min() for host and device alike (CUDA's int min() is not declared for a host compiler).
 FLASH_MLA_HOST_DEVICE constexpr int smaller(int a, int b) { return a < b ? a : b; }
@@ -148,4 +149,4 @@ class PieceRange {
   int copy_row_;
 };
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla

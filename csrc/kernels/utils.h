@@ -6,7 +6,9 @@
 #include <cuda_fp8.h>
 #include <cute/tensor.hpp>
 
-namespace flash_mla {
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
 
 // Copy 16 bytes global -> shared asynchronously (L2 only: the cache is streamed once). With valid == false
 // nothing is read and the destination is zero-filled: slots past a sequence's end may hold NaN, and P = 0
@@ -87,4 +89,4 @@ __device__ __forceinline__ auto as_rows_cols(Tensor&& acc) {
   return make_tensor(acc.data(), make_layout(rows, cols));        // (ROW, COL)
 }
 
-}  // namespace flash_mla
+FLASH_MLA_NAMESPACE_END  // flash_mla
