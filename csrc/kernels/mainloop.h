@@ -43,13 +43,12 @@
 // piece lives in buffer k % 2; the warpgroup whose work reads a unit last refills it with the next page for that
 // buffer (possibly the next piece's) once it is done with it (listed in splitkv_traits.h): the RoPE unit after the
 // warpgroup has issued its P V, or right after S in the sparse and e4m3-scores kernels (kRopeRefillAfterS), each
-// V half after its last P V. S takes its K blocks in the order the
-// units are refilled (RoPE first), so it starts before the page has landed. Only S waits for units: the other
-// warpgroup's P V (and its zeroing of tail rows) reads a V half after taking the mailbox that S's warpgroup posted
-// after its waits, and the PTX memory model orders the copy's writes before those reads by causality (the unit's
-// phase completion is observed by the S thread, whose release arrive the reader's acquire wait observes). The
-// re-waits were polls of phases long complete: dropping them took 1.5-2.5 % on the compute-bound rows
-// (docs/PERF.md).
+// V half after its last P V. S takes its K blocks in the order the units are refilled (RoPE first), so it starts
+// before the page has landed. Only S waits for units: the other warpgroup's P V (and its zeroing of tail rows)
+// reads a V half after taking the mailbox that S's warpgroup posted after its waits, and the PTX memory model
+// orders the copy's writes before those reads by causality (the unit's phase completion is observed by the S
+// thread, whose release arrive the reader's acquire wait observes). The re-waits were polls of phases long
+// complete: dropping them took 1.5-2.5 % on the compute-bound rows (docs/PERF.md).
 // Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
 // cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.

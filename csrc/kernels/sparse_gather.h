@@ -35,6 +35,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -99,20 +100,6 @@ __device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat1
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// Adds `bytes` to the transaction count the mbarrier's current phase waits for (no arrival).
-__device__ __forceinline__ void expect_bytes(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar))), "r"(bytes) : "memory");
-}
-
-// 128 bytes global -> shared by the bulk-copy (TMA) unit, completing 128 transaction bytes on `bar`.
-__device__ __forceinline__ void bulk_copy_128(void* smem_dst, const void* gmem_src, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 128, [%2];\n"
-               ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst))), "l"(gmem_src),
-               "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
-               : "memory");
-}
-
 template <class Traits>
 struct SparseGather {
   static constexpr int kBlockN = Traits::kBlockN;
@@ -151,10 +138,12 @@ struct SparseGather {
         char* dst = tile + Traits::first_segment(unit) * kSegmentBytes + row * 128;
         const bool bulk = half == 0 && has_token;
         const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
-        if (threadIdx.x % 32 == 0 && bulk_rows != 0) expect_bytes(&full[unit], bulk_rows * 128);
+        if (threadIdx.x % 32 == 0 && bulk_rows != 0) {
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(&full[unit], bulk_rows * 128);
+        }
         __syncwarp();
         if (bulk) {
-          bulk_copy_128(dst, src + unit * 128, &full[unit]);
+          cute::SM90_BULK_COPY_G2S::copy(src + unit * 128, &full[unit], dst, 128);
         } else if (half == 0) {
           CUTE_UNROLL
           for (int chunk = 0; chunk < 8; ++chunk) cp_async_16_zfill(dst + chunk * 16, src, false);
