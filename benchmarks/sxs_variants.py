@@ -15,12 +15,13 @@ referee's anchors on its workloads:
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table --fp8 /tmp/e0 /tmp/e1   # FP8 cache vs bf16
 
-Each variant runs in a process of its own: builds of one extension loaded into one process all ran the first
-build's kernels (their kernels have the same names; on the H100 with CUDA 13.0 a build that copies nothing gave
-bit-identical outputs to the baseline), so every earlier in-process comparison measured one kernel against itself.
-Compute-bound rows drift by ~1.5 % (18-row geomean) between processes even for identical kernels. With
---same-process all variants share one process, timed in turn on each workload: build each with its own
-FLASH_MLA_VARIANT (csrc/kernels/variant.h puts every symbol in flash_mla::<name>), which the child checks:
+Each variant runs in a process of its own by default: builds of one extension loaded into one process under one
+module name are one module (pybind11 3 caches extension modules by name; on the H100 a build that copies nothing
+gave bit-identical outputs to the baseline), so every earlier in-process comparison measured one kernel against
+itself. Compute-bound rows drift by ~1.5 % (18-row geomean) between processes even for identical kernels. With
+--same-process all variants share one process, timed in turn on each workload: the child loads each build under a
+module name of its own, and each build must carry its own FLASH_MLA_VARIANT (csrc/kernels/variant.h puts every
+symbol in flash_mla::<name>, so kernels differ by name in profiles too), which the child checks:
 
     (cd /tmp/e0 && FLASH_MLA_VARIANT=e0 MAX_JOBS=8 python3 setup.py build_ext --inplace)   # likewise e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table --same-process --repeat 2 /tmp/e0 /tmp/e1
@@ -49,12 +50,15 @@ import tempfile
 class RawExtension:
     """One build of flash_mla._cuda, called through its binding like the referee calls the anchors."""
 
-    def __init__(self, folder: str):
+    def __init__(self, folder: str, index: int):
         found = glob.glob(os.path.join(folder, "flash_mla", "_cuda*.so"))
         if not found:
             raise SystemExit(f"{folder}: no flash_mla/_cuda*.so (build it with setup.py build_ext --inplace)")
-        loader = importlib.machinery.ExtensionFileLoader("_cuda", found[0])
-        spec = importlib.util.spec_from_file_location("_cuda", found[0], loader=loader)
+        # A module name of its own per build: pybind11 3 caches extension modules by their spec's name, so a
+        # second "_cuda" would be the first build's module again. The last component stays "_cuda" (PyInit__cuda).
+        name = f"flash_mla_variant{index}._cuda"
+        loader = importlib.machinery.ExtensionFileLoader(name, found[0])
+        spec = importlib.util.spec_from_file_location(name, found[0], loader=loader)
         self.mod = importlib.util.module_from_spec(spec)
         loader.exec_module(self.mod)
         self.name = os.path.basename(os.path.normpath(folder))
@@ -121,7 +125,7 @@ def child(args):
     import torch
 
     kind = RawSparseExtension if args.sparse else RawFp8Extension if args.fp8 else RawExtension
-    variants = [kind(folder) for folder in args.folders]
+    variants = [kind(folder, i) for i, folder in enumerate(args.folders)]
     tags = [getattr(v.mod, "variant", "build") for v in variants]
     if len(set(tags)) != len(tags):
         raise SystemExit(f"--same-process needs builds with distinct FLASH_MLA_VARIANT (setup.py), got {tags}: "
