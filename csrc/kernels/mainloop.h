@@ -69,10 +69,10 @@
 // and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
-// tokens gathered (bulk copies of latent rows, cp.async for scales and RoPE rows) into the FP8 cache's unit layout
-// by the warpgroup that refills each unit (the same owners and moments as the TMA refills; every thread of that
-// warpgroup copies and arrives, so the units' mbarriers count 128), each thread using the index PieceRange looked
-// up for its copy row at the top of the pair.
+// tokens gathered (a bulk copy per row and V half, cp.async for scales and RoPE rows) into the FP8 cache's unit
+// layout by the warpgroup that refills each unit (the same owners and moments as the TMA refills; every thread of
+// that warpgroup copies and arrives, so the units' mbarriers count 128; a V half arrives on its first unit's), each
+// thread using the index PieceRange looked up for its copy row at the top of the pair.
 // The warpgroup that computes S dequantises each latent unit to bf16 just before its WGMMAs (as the widening
 // above; the RoPE unit arrives as bf16) and masks the slots that hold no token (key_valid, written by its own
 // RoPE refill). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60 times
@@ -375,7 +375,8 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int i = 0; i < kUnits; ++i) {
         const int unit = (i + kRopeUnit) % kUnits;
-        Barrier::wait(&smem.unit_full[stage][unit], phase);
+        // A sparse V half arrives on its first unit's barrier (sparse_gather.h), waited for just before.
+        if (!Traits::kSparse || unit % 2 == 0) Barrier::wait(&smem.unit_full[stage][unit], phase);
         if constexpr (Traits::kFp8Cache) {
           widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
@@ -383,7 +384,7 @@ struct SplitKvMainloop {
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
         } else if constexpr (Traits::kSparse) {
           if (unit != kRopeUnit) {
-            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit);
+            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit, warpgroup);
             cutlass::arch::fence_view_async_shared();
             warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
           } else {

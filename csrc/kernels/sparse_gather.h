@@ -4,19 +4,23 @@
 // A "page" of a sparse row is 64 index slots; slot k of page j names cache token indices[seq, s, 64 j + k] (or
 // none: -1, past the piece's end, or outside [0, num_tokens)). A token is 512 e4m3 latent values, 4 float32 group
 // scales (one per 128 values: true value = stored * scale) and 64 bf16 RoPE values. Its bytes land in a page
-// buffer in the FP8 cache's unit layout (splitkv_traits.h): latent unit u (columns 128 u .. 128 u + 127, scale
-// group u) as 128 bytes per row at the start of segment 2 u, its scale in the first 4 bytes of the row's line in
-// segment 2 u + 1 (which the dequantisation overwrites last, see dequantize_unit), the RoPE unit straight into
-// segment 8 in its swizzled bf16 layout. Slots that name no token are zero-filled (latent, scale and RoPE): their
-// V rows are zero and S masks them through key_valid, so whatever the cache holds elsewhere never enters the result.
+// buffer in the FP8 cache's unit layout (splitkv_traits.h), by V half: V half v (latent units 2 v and 2 v + 1,
+// columns 256 v .. 256 v + 255, scale groups 2 v and 2 v + 1) as 256 raw bytes per row packed into the segments
+// of its second unit (raw_row), the row's two scales at the start of its line in the first unit's second segment
+// (scale_pair); the dequantisation turns both units into bf16 rows in place (dequantize_unit says in which order).
+// The RoPE unit goes straight into segment 8 in its swizzled bf16 layout. Slots that name no token are zero-filled
+// (latent, scales and RoPE): their V rows are zero and S masks them through key_valid, so whatever the cache holds
+// elsewhere never enters the result.
 //
 // Copies, issued by the 128 threads of the warpgroup that refills the unit (mainloop.h): thread t serves row t / 2,
-// whose index PieceRange looked up for it (copy_row), with half t % 2 of the work. A latent row's 128 bytes go by one
-// 128-byte bulk copy of the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on the unit's mbarrier),
-// its scale by a 4-byte cp.async of the second; a RoPE row by four 16-byte cp.async per thread (into the swizzled
-// layout, which a bulk copy cannot write); a slot with no token by zero-filling cp.async. Per-thread cp.async of the
-// latent rows (eight per row) measured 11-13 % slower on the b = 128 rows (docs/PERF.md): each warp instruction touched
-// 16 tokens' lines. Each thread arrives on the unit's mbarrier (count 128) once its cp.async copies have landed
+// whose index PieceRange looked up for it (copy_row), with half t % 2 of the work. A V half's 256 raw bytes of a row
+// go by one bulk copy of the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on the half's first
+// unit's mbarrier; the second unit's is not used), its scales by an 8-byte cp.async of the second; the RoPE unit by
+// 16-byte cp.async, four rows per warp instruction (the row's token by shuffle from the lane that looked it up); a
+// slot with no token by zero-filling cp.async. Measured on the b = 128 rows (docs/PERF.md): per-thread cp.async of
+// the latent rows (16 tokens' lines per warp instruction) 11-13 % slower than 128-byte bulk copies per unit, and
+// those ~10 % slower than one 256-byte copy per V half (each bulk copy costs the issuing warp a loop over its lanes).
+// Each thread arrives on the unit's mbarrier (count 128) once its cp.async copies have landed
 // (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk bytes to the phase's transaction
 // count (so the phase cannot complete before them). The RoPE refill, issued by the warpgroup that computes S on the
 // buffer, also records which slots hold a token (key_valid, one ballot word per warp, plain stores); that warpgroup
@@ -39,6 +43,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
+#include "named_barriers.h"
 #include "params.h"
 #include "tile_scheduler.h"
 #include "variant.h"
@@ -48,9 +53,9 @@ FLASH_MLA_NAMESPACE_BEGIN
 // 2^60 (see the file comment).
 constexpr float kSparseKScale = 1.152921504606846976e18f;
 
-__device__ __forceinline__ void cp_async_4_zfill(void* smem_dst, const void* gmem_src, bool valid) {
+__device__ __forceinline__ void cp_async_8_zfill(void* smem_dst, const void* gmem_src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 4 : 0));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 8 : 0));
 }
 
 // e4m3 bytes b0, b1 (the low two bytes of `word` after the byte selection `select`) -> the bf16 pair stored * 2^-120.
@@ -110,6 +115,17 @@ struct SparseGather {
                 "4 latent units of 128 e4m3 columns (one scale group each) and the bf16 RoPE unit");
   static_assert(2 * kBlockN == kWgThreads, "two threads per row of a page");
 
+  // A V half v (latent units 2 v and 2 v + 1, columns 256 v .. 256 v + 255) travels as one 256-byte bulk copy per
+  // row: raw row r at byte 256 r of the half's second unit's segments, which that unit's dequantisation overwrites
+  // in place last. The row's two scales (8 bytes) land at the start of its line in the first unit's second
+  // segment, which the first unit's dequantisation overwrites after reading them.
+  __device__ static char* raw_row(char* tile, int v_half, int row) {
+    return tile + Traits::first_segment(2 * v_half + 1) * kSegmentBytes + row * 256;
+  }
+  __device__ static char* scale_pair(char* tile, int v_half, int row) {
+    return tile + (Traits::first_segment(2 * v_half) + 1) * kSegmentBytes + row * 128;
+  }
+
   // Units [first_unit, first_unit + num_units) of the page whose slot for this thread's row holds `token` (< 0:
   // none) into `tile`, arriving on full[unit] for each. With the RoPE unit, this warpgroup's view of which slots
   // hold a token goes to key_valid (4 words, word w bit 2 k for row 16 w + k).
@@ -122,77 +138,107 @@ struct SparseGather {
     for (int u = 0; u < num_units; ++u) {
       const int unit = first_unit + u;
       if (unit == kRopeUnit) {
+        // A warp copies its 16 rows four at a time: lane l takes chunk l % 8 of row 4 i + l / 8, so that one
+        // instruction touches four tokens' lines (not sixteen); a row's token comes from the lane that looked it
+        // up (lane 2 k holds row k of the warp's 16).
+        const int lane = t % 32, warp_row0 = t / 32 * 16;
         CUTE_UNROLL
-        for (int c = 0; c < 4; ++c) {
-          const int chunk = 4 * half + c;
-          cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, row, chunk),
-                            src + SparseTokenLayout::kRopeOffset + chunk * 16, has_token);
+        for (int i = 0; i < 4; ++i) {
+          const int r = 4 * i + lane / 8;
+          const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
+          const bool valid = row_token >= 0 && row_token < p.num_tokens;
+          const char* row_src = static_cast<const char*>(p.k_cache) +
+                                (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
+          cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, warp_row0 + r, lane % 8),
+                            row_src + SparseTokenLayout::kRopeOffset + lane % 8 * 16, valid);
         }
         const uint32_t ballot = __ballot_sync(0xffffffffu, has_token);
         if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
-      } else {
-        // A row's 128 latent bytes by one bulk copy (the TMA unit, not the LSU: one instruction, not eight) from
-        // its first thread, which zero-fills the row by cp.async instead when the slot names no token; the
-        // scale by cp.async from its second thread. The barrier expects each warp's bulk bytes before they come.
-        char* dst = tile + Traits::first_segment(unit) * kSegmentBytes + row * 128;
+      } else if (unit % 2 == 0) {
+        // A V half: the row's 256 latent bytes by one bulk copy from its first thread (the TMA unit; zero-filling
+        // cp.async instead when the slot names no token), its two scales by an 8-byte cp.async from its second.
+        // Everything completes on the half's first unit's mbarrier (its second unit's is not used): refills always
+        // cover whole V halves (mainloop.h), and S waits for the first unit before it dequantises the second.
+        const int v_half = unit / 2;
+        char* raw = raw_row(tile, v_half, row);
         const bool bulk = half == 0 && has_token;
         const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
         if (threadIdx.x % 32 == 0 && bulk_rows != 0) {
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(&full[unit], bulk_rows * 128);
+          cutlass::arch::ClusterTransactionBarrier::expect_transaction(&full[unit], bulk_rows * 256);
         }
         __syncwarp();
         if (bulk) {
-          cute::SM90_BULK_COPY_G2S::copy(src + unit * 128, &full[unit], dst, 128);
+          cute::SM90_BULK_COPY_G2S::copy(src + unit * 128, &full[unit], raw, 256);
         } else if (half == 0) {
           CUTE_UNROLL
-          for (int chunk = 0; chunk < 8; ++chunk) cp_async_16_zfill(dst + chunk * 16, src, false);
+          for (int chunk = 0; chunk < 16; ++chunk) cp_async_16_zfill(raw + chunk * 16, src, false);
         } else {
-          cp_async_4_zfill(dst + kSegmentBytes, src + SparseTokenLayout::kScalesOffset + 4 * unit, has_token);
+          cp_async_8_zfill(scale_pair(tile, v_half, row), src + SparseTokenLayout::kScalesOffset + 4 * unit,
+                           has_token);
         }
         cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
       }
     }
   }
 
-  // Dequantises latent unit `unit` of `tile` in place (after its mbarrier): rows' 128 e4m3 bytes at the start of
-  // segment 2 u and their scale at the start of the row's line in segment 2 u + 1 become the bf16 rows of both
-  // segments. The mapping is the FP8 cache's widen_unit (mainloop.h): lane group t / 8 owns rows t / 8 + 16 pass,
-  // lane t % 8 its 16-byte chunk i, which becomes chunks 2 (i % 4), 2 (i % 4) + 1 of segment 2 u + i / 4. Every
-  // byte a row's stores overwrite (its scale included) belongs to that row, read by the row's eight lanes (one
-  // warp) before the __syncwarp that precedes the stores of its pass. The caller fences the writes into the async
-  // proxy and syncs the warpgroup.
-  __device__ static void dequantize_unit(char* tile, int unit) {
+  // Dequantises latent unit `unit` of `tile` (after its V half's mbarrier) into the bf16 rows of its two segments.
+  // The mapping is the FP8 cache's widen_unit (mainloop.h): lane group t / 8 owns rows t / 8 + 16 pass, lane t % 8
+  // its 16-byte chunk i of the unit's 128 raw bytes of the row, which becomes chunks 2 (i % 4), 2 (i % 4) + 1 of
+  // segment 2 u + i / 4.
+  // - The half's first unit reads the first 128 bytes of each raw row and writes segments that hold no raw row; a
+  //   row's scale pair lies in the row's own line, read by the row's eight lanes (one warp) before the __syncwarp
+  //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
+  // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
+  //   32 + r / 2): every thread loads all four passes, the warpgroup syncs, then they store.
+  // The caller fences the writes into the async proxy and syncs the warpgroup.
+  __device__ static void dequantize_unit(char* tile, int unit, int warpgroup) {
     constexpr int kPasses = kBlockN / 16;
     const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
-    const char* src = tile + Traits::first_segment(unit) * kSegmentBytes + row0 * 128 + i * 16;
+    const int v_half = unit / 2, second = unit % 2;
     const int seg = Traits::first_segment(unit) + i / 4;
     const int first = (i / 4) & 1;     // lanes 4..7 store their second chunk first (bank spread, as widen_unit)
     char* dst_first = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
     char* dst_second = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
-    // Two passes at a time: their loads overlap, and fewer registers are live than with all four.
-    constexpr int kPassesAtOnce = 2;
-    CUTE_UNROLL
-    for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
-      uint4 bytes[kPassesAtOnce];
-      float scale[kPassesAtOnce];
+    auto store = [&](int pass, const uint4& bytes, float scale) {
+      uint4 chunk_first, chunk_second;
+      dequantize_e4m3x16(bytes, __float2bfloat162_rn(scale * kSparseKScale), chunk_first, chunk_second);
+      *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
+      *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
+    };
+    if (!second) {
+      constexpr int kPassesAtOnce = 2;    // their loads overlap; fewer registers live than with all four
       CUTE_UNROLL
-      for (int k = 0; k < kPassesAtOnce; ++k) {
-        const int row = row0 + 16 * (pass0 + k);
-        // The chunk's half stored first, then the other (no per-lane select of registers).
-        const char* chunk = src + (pass0 + k) * 16 * 128;
-        bytes[k] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
-        const char* scale_line = tile + (Traits::first_segment(unit) + 1) * kSegmentBytes + row * 128;
-        scale[k] = *reinterpret_cast<const float*>(scale_line);
+      for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
+        uint4 bytes[kPassesAtOnce];
+        float2 scales[kPassesAtOnce];
+        CUTE_UNROLL
+        for (int k = 0; k < kPassesAtOnce; ++k) {
+          const int row = row0 + 16 * (pass0 + k);
+          const char* chunk = raw_row(tile, v_half, row) + i * 16;    // the chunk's half stored first, then the other
+          bytes[k] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
+          scales[k] = *reinterpret_cast<const float2*>(scale_pair(tile, v_half, row));
+        }
+        __syncwarp();
+        CUTE_UNROLL
+        for (int k = 0; k < kPassesAtOnce; ++k) {
+          store(pass0 + k, bytes[k], scales[k].x);
+          if (i == 0) *reinterpret_cast<float*>(raw_row(tile, v_half, row0 + 16 * (pass0 + k))) = scales[k].y;
+        }
       }
-      __syncwarp();
+    } else {
+      uint4 bytes[kPasses];
+      float scale[kPasses];
       CUTE_UNROLL
-      for (int k = 0; k < kPassesAtOnce; ++k) {
-        uint4 chunk_first, chunk_second;
-        dequantize_e4m3x16(bytes[k], __float2bfloat162_rn(scale[k] * kSparseKScale), chunk_first, chunk_second);
-        *reinterpret_cast<uint4*>(dst_first + (pass0 + k) * 16 * 128) = chunk_first;
-        *reinterpret_cast<uint4*>(dst_second + (pass0 + k) * 16 * 128) = chunk_second;
+      for (int pass = 0; pass < kPasses; ++pass) {
+        const char* row_bytes = raw_row(tile, v_half, row0 + 16 * pass);
+        const char* chunk = row_bytes + 128 + i * 16;
+        bytes[pass] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
+        scale[pass] = *reinterpret_cast<const float*>(row_bytes);
       }
+      warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);    // every raw byte read before any is overwritten
+      CUTE_UNROLL
+      for (int pass = 0; pass < kPasses; ++pass) store(pass, bytes[pass], scale[pass]);
     }
   }
 
