@@ -129,7 +129,7 @@ def child(args):
     tags = [getattr(v.mod, "variant", "build") for v in variants]
     if len(set(tags)) != len(tags):
         raise SystemExit(f"--same-process needs builds with distinct FLASH_MLA_VARIANT (setup.py), got {tags}: "
-                         "builds whose kernels share names all run the first one's")
+                         "without them the process cannot tell the builds (or their kernels in a profile) apart")
     anchors = [sxs.AnchorHeadSparse()] if args.sparse else [sxs.AnchorV1(), sxs.AnchorHead()]
     for wi, (_group, _label, make, causal, _s_q, _h_q) in enumerate(workloads(sxs, args)):
         q, ks, bt, seqlens = make(wi)
