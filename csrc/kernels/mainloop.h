@@ -69,14 +69,13 @@
 // and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
-// tokens gathered (a bulk copy per row and V half, cp.async for scales and RoPE rows) into the FP8 cache's unit
-// layout by the warpgroup that refills each unit (the same owners and moments as the TMA refills; every thread of
-// that warpgroup copies and arrives, so the units' mbarriers count 128; a V half arrives on its first unit's), each
-// thread using the index PieceRange looked up for its copy row at the top of the pair.
-// The warpgroup that computes S dequantises each latent unit to bf16 just before its WGMMAs (as the widening
-// above; the RoPE unit arrives as bf16) and masks the slots that hold no token (key_valid, written by its own
-// RoPE refill). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60 times
-// their values); the output takes the 2^60 back (SplitKvScales::out).
+// tokens gathered into the FP8 cache's unit layout by a third warpgroup (kGather) in the order the pairs take
+// them; "refill" here releases a buffer part to it (part_free, count 128) at the moment a TMA refill would be
+// issued, and only when a page comes for the part. It dequantises page b's latent units; kPageA dequantises page
+// a's itself, each V half once its raw bytes landed (raw_full), just before its WGMMAs. S masks the slots that hold
+// no token (key_valid). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60
+// times their values); the output takes the 2^60 back (SplitKvScales::out). setmaxnreg splits the registers
+// (splitkv_traits.h).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
@@ -171,10 +170,10 @@ struct SplitKvMainloop {
   __device__ static void refill(const DecodeParams& p, SharedStorage& smem, int stage, PageBlock block, int kv_head,
                                 int first_unit, int num_units, uint32_t key_phase = 0) {
     if constexpr (Traits::kSparse) {
-      if (block.valid) {
-        Gather::refill(p, reinterpret_cast<char*>(smem.k[stage].data()), smem.unit_full[stage],
-                       smem.key_valid[stage][key_phase], block.block, first_unit, num_units);
-      }
+      // The gather warpgroup fills the part once all 128 threads released it (only if a page comes for it: it
+      // waits for exactly one release per page after a buffer's first).
+      const int part = first_unit == kRopeUnit ? kRopePart : first_unit == 0 ? kVLeftPart : kVRightPart;
+      if (block.valid) Barrier::arrive(&smem.part_free[stage][part]);
       return;
     }
     // A refill's units go round the warpgroup's warps (lane 0 of warp w issues units w, w + 4, ...): no warp is
@@ -268,18 +267,18 @@ struct SplitKvMainloop {
     if constexpr (Traits::kSparse) {
       Gather::scale_q_latent(reinterpret_cast<char*>(smem.q.data()), warpgroup);
       cutlass::arch::fence_view_async_shared();
-      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
-                   : "memory");
+      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)),
+                   "r"(Traits::kMathThreads) : "memory");
     }
     if constexpr (Traits::kFp8Cache && !Traits::kE4m3Scores) {
       if (p.q_format != kQBf16) return;
       constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
       uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
-      for (int c = threadIdx.x; c < kChunks; c += Traits::kThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
+      for (int c = threadIdx.x; c < kChunks; c += Traits::kMathThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
       cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
       // Both warpgroups; the non-.aligned form, since warps may arrive here unconverged (synccheck).
-      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)), "r"(Traits::kThreads)
-                   : "memory");
+      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)),
+                   "r"(Traits::kMathThreads) : "memory");
     }
   }
 
@@ -375,20 +374,26 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int i = 0; i < kUnits; ++i) {
         const int unit = (i + kRopeUnit) % kUnits;
-        // A sparse V half arrives on its first unit's barrier (sparse_gather.h), waited for just before.
-        if (!Traits::kSparse || unit % 2 == 0) Barrier::wait(&smem.unit_full[stage][unit], phase);
+        // Sparse: the units this S warpgroup dequantises itself (Traits::self_dequantises), each V half once its raw
+        // bytes landed; unit 0's barrier then only orders key_valid.
+        const bool dequantises = Traits::kSparse && unit != kRopeUnit && Traits::self_dequantises(stage);
+        if (!dequantises || unit == 0) Barrier::wait(&smem.unit_full[stage][unit], phase);    // unit 0: key_valid
+        if (dequantises && unit % 2 == 0) Barrier::wait(&smem.raw_full[stage][unit / 2], phase);
         if constexpr (Traits::kFp8Cache) {
           widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
           __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
         } else if constexpr (Traits::kSparse) {
-          if (unit != kRopeUnit) {
-            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit, warpgroup);
+          // Page b's latent units come dequantised and fenced by the gather warpgroup; the RoPE unit's cp.async
+          // bytes are fenced here, once landed.
+          if (dequantises) {
+            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit,
+                                    WarpgroupBarrier::kUnitWidened, warpgroup);
             cutlass::arch::fence_view_async_shared();
             warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-          } else {
-            cutlass::arch::fence_view_async_shared();  // the cp.async-written RoPE bytes, read by WGMMA
+          } else if (unit == kRopeUnit) {
+            cutlass::arch::fence_view_async_shared();
           }
         }
         warpgroup_arrive();
@@ -742,24 +747,13 @@ struct SplitKvMainloop {
   // first and S_a, its softmax and P_a V_a run while page b is still arriving (alone, within noise on the H100;
   // measured together with the split kernel's PDL, docs/PERF.md "Split kernel"). Later refills are the
   // unit owners' (the mbarriers are per unit; who issues a copy does not matter to them).
-  // Sparse cache: each warpgroup gathers the first page of the buffer it computes S on (all its threads copy, and
-  // the RoPE refill's key_valid belongs to that warpgroup), kPageB after the Q tile.
   template <WarpgroupRole kRole>
   __device__ static void prologue(const DecodeParams& p, SharedStorage& smem, const Range& range, int kv_head,
                                   int m_tile) {
-    if constexpr (Traits::kSparse) {
-      constexpr int kStage = static_cast<int>(kRole);
-      if (kRole == WarpgroupRole::kPageB) {
-        const int first_seq = range.next_seq_using(range.first_seq(), 0);
-        if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
-      }
-      const PageBlock block = range.first_block(kStage);
-      refill(p, smem, kStage, block, kv_head, kRopeUnit, 1, 0);
-      refill(p, smem, kStage, block, kv_head, 0, kRopeUnit);
-    } else if (kRole == WarpgroupRole::kPageB) {
+    if (kRole == WarpgroupRole::kPageB) {
       const int first_seq = range.next_seq_using(range.first_seq(), 0);
       if (first_seq >= 0) load_q(p, smem, first_seq, kv_head, m_tile);
-    } else {
+    } else if constexpr (!Traits::kSparse) {    // sparse: the gather warpgroup fills the page buffers
       CUTE_UNROLL
       for (int stage = 0; stage < 2; ++stage) {
         const PageBlock block = range.first_block(stage);

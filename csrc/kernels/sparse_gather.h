@@ -12,30 +12,31 @@
 // (latent, scales and RoPE): their V rows are zero and S masks them through key_valid, so whatever the cache holds
 // elsewhere never enters the result.
 //
-// Copies, issued by the 128 threads of the warpgroup that refills the unit (mainloop.h): thread t serves row t / 2,
-// whose index PieceRange looked up for it (copy_row), with half t % 2 of the work. A V half's 256 raw bytes of a row
-// go by one bulk copy of the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on the half's first
-// unit's mbarrier; the second unit's is not used), its scales by an 8-byte cp.async of the second; the RoPE unit by
-// 16-byte cp.async, four rows per warp instruction (the row's token by shuffle from the lane that looked it up); a
-// slot with no token by zero-filling cp.async. Measured on the b = 128 rows (docs/PERF.md): per-thread cp.async of
-// the latent rows (16 tokens' lines per warp instruction) 11-13 % slower than 128-byte bulk copies per unit, and
-// those ~10 % slower than one 256-byte copy per V half (each bulk copy costs the issuing warp a loop over its lanes).
-// Each thread arrives on the unit's mbarrier (count 128) once its cp.async copies have landed
-// (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk bytes to the phase's transaction
-// count (so the phase cannot complete before them). The RoPE refill, issued by the warpgroup that computes S on the
-// buffer, also records which slots hold a token (key_valid, one ballot word per warp, plain stores); that warpgroup
-// reads them after its next S on the buffer, and every S on a sparse page passes the warpgroup's kUnitWidened bar.sync
-// in between, which orders the stores before the reads. (A second, plain arrival on the RoPE unit's mbarrier would
-// order them too, but a thread arriving twice in one phase is what synccheck reports as a missing wait.)
+// Copies, issued by the gather warpgroup (WarpgroupRole::kGather, the CTA's third; run() draws its schedule) once
+// the computing warpgroups released the buffer part (part_free): thread t serves row t / 2, whose index PieceRange
+// looked up for it (copy_row), with half t % 2 of the work. A V half's 256 raw bytes of a row go by one bulk copy of
+// the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on raw_full), its scales by an 8-byte
+// cp.async of the second; the RoPE unit by 16-byte cp.async, four rows per warp instruction (the row's token by
+// shuffle from the lane that looked it up); a slot with no token by zero-filling cp.async. Measured on the b = 128
+// rows (docs/PERF.md): per-thread cp.async of the latent rows (16 tokens' lines per warp instruction) 11-13 % slower
+// than 128-byte bulk copies per unit, and those ~10 % slower than one 256-byte copy per V half (each bulk copy costs
+// the issuing warp a loop over its lanes). Each thread arrives (count 128) once its cp.async copies have landed
+// (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk bytes to the phase's
+// transaction count (so the phase cannot complete before them). The RoPE gather also records which slots hold a
+// token (key_valid, one ballot word per warp, plain stores), which the S warpgroup reads after its S: a plain
+// (release) arrival orders them, on a latent unit's unit_full (unit 0's for the page whose S warpgroup dequantises
+// it itself, which waits for it with its raw bytes).
 //
-// Dequantisation: bf16(stored * scale * 2^-60), by the warpgroup that computes S, one unit just before its WGMMAs
-// (as the FP8 cache's widening). An e4m3 byte s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000, exactly stored *
-// 2^-120 (subnormals included), multiplied by C = bf16(scale * 2^60): one bf16 multiply per pair of values, so the
-// key is rounded twice (C and the product), at most one unit in the last place from the once-rounded value (C split
-// into two bf16 to round once cost 4 % more on the sparse rows; tests/test_sparse_dequant.py models the arithmetic
-// bit for bit). The 2^-60 keeps C a finite normal number from the quantiser's smallest scale (2^-126) to just below
-// 2^68 (latent values up to ~10^23); the kernel multiplies Q's latent
-// columns by 2^60 (exact) and the output by 2^60 (SplitKvScales::out), so S and O come out unscaled.
+// Dequantisation: bf16(stored * scale * 2^-60), in place, unit by unit: page b's by the gather warpgroup (fenced into
+// the async proxy, then unit_full), page a's by kPageA just before its WGMMAs (as the FP8 cache's widening): a third
+// warpgroup dequantising both pages was slower than the S warpgroups dequantising one each (docs/PERF.md). An e4m3 byte
+// s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000, exactly stored * 2^-120 (subnormals included), multiplied by C =
+// bf16(scale * 2^60): one bf16 multiply per pair of values, so the key is rounded twice (C and the product), at most
+// one unit in the last place from the once-rounded value (C split into two bf16 to round once cost 4 % more on the
+// sparse rows; tests/test_sparse_dequant.py models the arithmetic bit for bit). The 2^-60 keeps C a finite normal
+// number from the quantiser's smallest scale (2^-126) to just below 2^68 (latent values up to ~10^23); the kernel
+// multiplies Q's latent columns by 2^60 (exact) and the output by 2^60 (SplitKvScales::out), so S and O come out
+// unscaled.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -45,6 +46,7 @@
 
 #include "named_barriers.h"
 #include "params.h"
+#include "splitkv_traits.h"
 #include "tile_scheduler.h"
 #include "variant.h"
 
@@ -126,60 +128,127 @@ struct SparseGather {
     return tile + (Traits::first_segment(2 * v_half) + 1) * kSegmentBytes + row * 128;
   }
 
-  // Units [first_unit, first_unit + num_units) of the page whose slot for this thread's row holds `token` (< 0:
-  // none) into `tile`, arriving on full[unit] for each. With the RoPE unit, this warpgroup's view of which slots
-  // hold a token goes to key_valid (4 words, word w bit 2 k for row 16 w + k).
-  __device__ static void refill(const DecodeParams& p, char* tile, uint64_t* full, uint32_t* key_valid, int token,
-                                int first_unit, int num_units) {
+  using SharedStorage = typename Traits::SharedStorage;
+  using Barrier = cutlass::arch::ClusterBarrier;
+
+  // ============================================ gather warpgroup ===========================================
+  //
+  // The schedule, per pair of pages (a, b) the computing warpgroups take next (mainloop.h), b in buffer 1 only
+  // when the piece has it; a buffer's first page waits for nothing, a later one for each part's release:
+  //   1. RoPE unit of a, then of b (released right after S on the buffer): cp.async, arrival on unit_full.
+  //   2. V halves of a, then of b (each released after its last P V): bulk copies and cp.async onto raw_full.
+  //   3. a's latent units, then b's, in the order S takes them: wait for the half's raw bytes, dequantise, fence
+  //      into the async proxy, arrive on the unit's unit_full.
+  // So b's copies are in flight while a is dequantised, and S never dequantises. The computing warpgroups' S
+  // waits for each unit's unit_full as it would for a TMA copy.
+  __device__ static void run(const DecodeParams& p, SharedStorage& smem, const PieceRange<true>& range) {
+    // Pages put into each buffer so far: the parity of their barriers' phases. Scalars, not an array: the stage
+    // loops stay rolled (one copy of the dequantisation), and a runtime-indexed array would live in local memory.
+    uint32_t pages_0 = 0, pages_1 = 0;
+    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+      const Piece piece = range.piece(seq);
+      const int num_pages = piece.num_pages();
+#pragma unroll 1
+      for (int page = 0; page < num_pages; page += 2) {
+        const int buffers = page + 1 < num_pages ? 2 : 1;
+        const int token_0 = range.page_of(piece, page).block;
+        const int token_1 = buffers == 2 ? range.page_of(piece, page + 1).block : -1;
+#pragma unroll 1
+        for (int stage = 0; stage < buffers; ++stage) {
+          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+          if (pages > 0) Barrier::wait(&smem.part_free[stage][kRopePart], (pages - 1) & 1);
+          gather_rope(p, tile_of(smem, stage), &smem.unit_full[stage][kRopeUnit], smem.key_valid[stage][pages & 1],
+                      stage == 0 ? token_0 : token_1);
+          // key_valid is a plain store and the RoPE arrival a cp.async one: page a's release for it is unit 0's
+          // barrier, which kPageA (dequantising a's units itself) waits for instead; page b's latent arrivals.
+          if (Traits::self_dequantises(stage)) Barrier::arrive(&smem.unit_full[stage][0]);
+        }
+#pragma unroll 1
+        for (int stage = 0; stage < buffers; ++stage) {
+          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+#pragma unroll 1
+          for (int v_half = 0; v_half < 2; ++v_half) {
+            if (pages > 0) Barrier::wait(&smem.part_free[stage][kVLeftPart + v_half], (pages - 1) & 1);
+            gather_v_half(p, tile_of(smem, stage), &smem.raw_full[stage][v_half], stage == 0 ? token_0 : token_1,
+                          v_half);
+          }
+        }
+        // The latent units no S warpgroup dequantises itself (Traits::self_dequantises), V half by V half.
+#pragma unroll 1
+        for (int stage = 0; stage < buffers; ++stage) {
+          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+#pragma unroll 1
+          for (int v_half = 0; v_half < 2; ++v_half) {
+            if (Traits::self_dequantises(stage)) continue;
+            Barrier::wait(&smem.raw_full[stage][v_half], pages & 1);
+            dequantize_unit(tile_of(smem, stage), 2 * v_half, WarpgroupBarrier::kRawRowsRead, 0);
+            cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+            Barrier::arrive(&smem.unit_full[stage][2 * v_half]);
+            dequantize_unit(tile_of(smem, stage), 2 * v_half + 1, WarpgroupBarrier::kRawRowsRead, 0);
+            cutlass::arch::fence_view_async_shared();
+            Barrier::arrive(&smem.unit_full[stage][2 * v_half + 1]);
+          }
+        }
+        ++pages_0;
+        if (buffers == 2) ++pages_1;
+      }
+    }
+  }
+
+  __device__ static char* tile_of(SharedStorage& smem, int stage) {
+    return reinterpret_cast<char*>(smem.k[stage].data());
+  }
+
+  // The RoPE unit of the page whose slot for this thread's row holds `token` (< 0: none) into `tile`, arriving on
+  // `full` (count 128) once this thread's copies have landed; which slots hold a token goes to key_valid (4
+  // words, word w bit 2 k for row 16 w + k). A warp copies its 16 rows four at a time: lane l takes chunk l % 8
+  // of row 4 i + l / 8, so that one instruction touches four tokens' lines (not sixteen); a row's token comes from
+  // the lane that looked it up (lane 2 k holds row k of the warp's 16).
+  __device__ static void gather_rope(const DecodeParams& p, char* tile, uint64_t* full, uint32_t* key_valid,
+                                     int token) {
+    const int t = threadIdx.x % kWgThreads;
+    const bool has_token = token >= 0 && token < p.num_tokens;
+    const int lane = t % 32, warp_row0 = t / 32 * 16;
+    CUTE_UNROLL
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * i + lane / 8;
+      const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
+      const bool valid = row_token >= 0 && row_token < p.num_tokens;
+      const char* row_src = static_cast<const char*>(p.k_cache) +
+                            (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
+      cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, warp_row0 + r, lane % 8),
+                        row_src + SparseTokenLayout::kRopeOffset + lane % 8 * 16, valid);
+    }
+    const uint32_t ballot = __ballot_sync(0xffffffffu, has_token);
+    if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
+    cutlass::arch::cpasync_barrier_arrive_noinc(full);
+  }
+
+  // V half `v_half` of the page whose slot for this thread's row holds `token`: the row's 256 latent bytes by one
+  // bulk copy from its first thread (the TMA unit; zero-filling cp.async instead when the slot names no token),
+  // its two scales by an 8-byte cp.async from its second; everything completes on `raw` (count 128; lane 0 of
+  // each warp adds the warp's bulk bytes to the phase's transaction count before they are issued).
+  __device__ static void gather_v_half(const DecodeParams& p, char* tile, uint64_t* raw, int token, int v_half) {
     const int t = threadIdx.x % kWgThreads, row = t / 2, half = t % 2;
     const bool has_token = token >= 0 && token < p.num_tokens;
     const char* src = static_cast<const char*>(p.k_cache) +
                       (has_token ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
-    for (int u = 0; u < num_units; ++u) {
-      const int unit = first_unit + u;
-      if (unit == kRopeUnit) {
-        // A warp copies its 16 rows four at a time: lane l takes chunk l % 8 of row 4 i + l / 8, so that one
-        // instruction touches four tokens' lines (not sixteen); a row's token comes from the lane that looked it
-        // up (lane 2 k holds row k of the warp's 16).
-        const int lane = t % 32, warp_row0 = t / 32 * 16;
-        CUTE_UNROLL
-        for (int i = 0; i < 4; ++i) {
-          const int r = 4 * i + lane / 8;
-          const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
-          const bool valid = row_token >= 0 && row_token < p.num_tokens;
-          const char* row_src = static_cast<const char*>(p.k_cache) +
-                                (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
-          cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, warp_row0 + r, lane % 8),
-                            row_src + SparseTokenLayout::kRopeOffset + lane % 8 * 16, valid);
-        }
-        const uint32_t ballot = __ballot_sync(0xffffffffu, has_token);
-        if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
-        cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
-      } else if (unit % 2 == 0) {
-        // A V half: the row's 256 latent bytes by one bulk copy from its first thread (the TMA unit; zero-filling
-        // cp.async instead when the slot names no token), its two scales by an 8-byte cp.async from its second.
-        // Everything completes on the half's first unit's mbarrier (its second unit's is not used): refills always
-        // cover whole V halves (mainloop.h), and S waits for the first unit before it dequantises the second.
-        const int v_half = unit / 2;
-        char* raw = raw_row(tile, v_half, row);
-        const bool bulk = half == 0 && has_token;
-        const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
-        if (threadIdx.x % 32 == 0 && bulk_rows != 0) {
-          cutlass::arch::ClusterTransactionBarrier::expect_transaction(&full[unit], bulk_rows * 256);
-        }
-        __syncwarp();
-        if (bulk) {
-          cute::SM90_BULK_COPY_G2S::copy(src + unit * 128, &full[unit], raw, 256);
-        } else if (half == 0) {
-          CUTE_UNROLL
-          for (int chunk = 0; chunk < 16; ++chunk) cp_async_16_zfill(raw + chunk * 16, src, false);
-        } else {
-          cp_async_8_zfill(scale_pair(tile, v_half, row), src + SparseTokenLayout::kScalesOffset + 4 * unit,
-                           has_token);
-        }
-        cutlass::arch::cpasync_barrier_arrive_noinc(&full[unit]);
-      }
+    char* raw_bytes = raw_row(tile, v_half, row);
+    const bool bulk = half == 0 && has_token;
+    const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
+    if (threadIdx.x % 32 == 0 && bulk_rows != 0) {
+      cutlass::arch::ClusterTransactionBarrier::expect_transaction(raw, bulk_rows * 256);
     }
+    __syncwarp();
+    if (bulk) {
+      cute::SM90_BULK_COPY_G2S::copy(src + v_half * 256, raw, raw_bytes, 256);
+    } else if (half == 0) {
+      CUTE_UNROLL
+      for (int chunk = 0; chunk < 16; ++chunk) cp_async_16_zfill(raw_bytes + chunk * 16, src, false);
+    } else {
+      cp_async_8_zfill(scale_pair(tile, v_half, row), src + SparseTokenLayout::kScalesOffset + 8 * v_half, has_token);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(raw);
   }
 
   // Dequantises latent unit `unit` of `tile` (after its V half's mbarrier) into the bf16 rows of its two segments.
@@ -191,8 +260,8 @@ struct SparseGather {
   //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
   // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
   //   32 + r / 2): every thread loads all four passes, the warpgroup syncs, then they store.
-  // The caller fences the writes into the async proxy and syncs the warpgroup.
-  __device__ static void dequantize_unit(char* tile, int unit, int warpgroup) {
+  // The caller fences the writes into the async proxy before it announces the unit.
+  __device__ static void dequantize_unit(char* tile, int unit, WarpgroupBarrier raw_read, int warpgroup) {
     constexpr int kPasses = kBlockN / 16;
     const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
     const int v_half = unit / 2, second = unit % 2;
@@ -227,6 +296,7 @@ struct SparseGather {
         }
       }
     } else {
+      __syncwarp();    // the first unit's lane 0 of each row stashed the row's second scale; its lanes read it
       uint4 bytes[kPasses];
       float scale[kPasses];
       CUTE_UNROLL
@@ -236,7 +306,7 @@ struct SparseGather {
         bytes[pass] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
         scale[pass] = *reinterpret_cast<const float*>(row_bytes);
       }
-      warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);    // every raw byte read before any is overwritten
+      warpgroup_sync(raw_read, warpgroup);    // every raw byte read before any is overwritten
       CUTE_UNROLL
       for (int pass = 0; pass < kPasses; ++pass) store(pass, bytes[pass], scale[pass]);
     }

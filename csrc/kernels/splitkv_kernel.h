@@ -5,19 +5,22 @@
 //   softmax.h         masking and the online softmax
 //   epilogue.h        normalisation and the writes (out/lse, or fp32 partials for the combine kernel)
 //
-// Grid: (query-row tile, KV head, SM part); 256 threads = two warpgroups; one CTA per SM (227 KiB of shared
-// memory: the Q tile, two K pages and the warpgroups' mailbox).
+// Grid: (query-row tile, KV head, SM part); 256 threads = two computing warpgroups (sparse decoding: 384, a third
+// gathers and dequantises the pages, sparse_gather.h); one CTA per SM (227 KiB of shared memory: the Q tile, two K
+// pages and the warpgroups' mailbox).
 #pragma once
 
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/grid_dependency_control.h>
+#include <cutlass/arch/reg_reconfig.h>
 
 #include "kv_cache_tma.h"
 #include "launch.h"
 #include "mainloop.h"
 #include "params.h"
+#include "sparse_gather.h"
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
 #include "variant.h"
@@ -32,7 +35,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
 
   if (threadIdx.x == 0) {
-    // TMA: one arrival and the bytes; sparse gathers: one arrival per thread of the refilling warpgroup.
+    // TMA: one arrival and the bytes; sparse: one arrival per thread of the gather warpgroup.
     constexpr int kUnitArrivals = Traits::kSparse ? Traits::kWarpgroupThreads : 1;
     for (int stage = 0; stage < Traits::kStages; ++stage) {
       for (int unit = 0; unit < Traits::kUnits; ++unit) {
@@ -42,6 +45,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
     cutlass::arch::ClusterBarrier::init(&smem.v_right_widened, Traits::kWarpgroupThreads);
+    if (Traits::kSparse) {
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        for (uint64_t& raw : smem.raw_full[stage]) cutlass::arch::ClusterBarrier::init(&raw, Traits::kWarpgroupThreads);
+        for (uint64_t& part : smem.part_free[stage]) {
+          cutlass::arch::ClusterBarrier::init(&part, Traits::kWarpgroupThreads);
+        }
+      }
+    }
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
     if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
@@ -62,15 +73,27 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, Traits::kSparse ? kSparseKScale : descale_k};
 
   const int m_tile = blockIdx.x, kv_head = blockIdx.y;
-  // Sparse: each thread copies one row of every page it gathers (sparse_gather.h); the range looks up its token.
-  const int copy_row = Traits::kSparse ? threadIdx.x % Traits::kWarpgroupThreads / 2 : 0;
+  const int warpgroup = threadIdx.x / Traits::kWarpgroupThreads;
+  // Sparse: each gather thread copies one row of every page (sparse_gather.h); the range looks up its token. The
+  // computing warpgroups' range looks up none (copy row -1).
+  const bool gathers = Traits::kSparse && warpgroup == static_cast<int>(WarpgroupRole::kGather);
+  const int copy_row = gathers ? threadIdx.x % Traits::kWarpgroupThreads / 2 : -1;
   const PieceRange<Traits::kSparse> range(params, blockIdx.z, m_tile, copy_row);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();
 
-  if (threadIdx.x / Traits::kWarpgroupThreads == static_cast<int>(WarpgroupRole::kPageA)) {
+  if constexpr (Traits::kSparse) {
+    if (gathers) {
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kGatherRegisters>();
+      SparseGather<Traits>::run(params, smem, range);
+      return;
+    }
+  }
+  if (warpgroup == static_cast<int>(WarpgroupRole::kPageA)) {
+    if constexpr (Traits::kSparse) cutlass::arch::warpgroup_reg_alloc<Traits::kPageARegisters>();
     Mainloop::template run<WarpgroupRole::kPageA>(params, scales, smem, range, kv_head, m_tile);
   } else {
+    if constexpr (Traits::kSparse) cutlass::arch::warpgroup_reg_alloc<Traits::kPageBRegisters>();
     Mainloop::template run<WarpgroupRole::kPageB>(params, scales, smem, range, kv_head, m_tile);
   }
 }

@@ -18,7 +18,13 @@ FLASH_MLA_NAMESPACE_BEGIN
 //   kPageA computes S = Q K_a^T and its softmax, and owns O[:, 0:256];
 //   kPageB computes S = Q K_b^T and its softmax, and owns O[:, 256:512].
 // Each applies both pages' probabilities to its half of O (see mainloop.h for the schedule).
-enum class WarpgroupRole : int { kPageA = 0, kPageB = 1 };
+// Sparse decoding adds a third warpgroup that gathers and dequantises the pages (sparse_gather.h), so that the
+// two above only compute.
+enum class WarpgroupRole : int { kPageA = 0, kPageB = 1, kGather = 2 };
+
+// The parts of a page buffer the computing warpgroups release to the gather warpgroup (sparse decoding), each once
+// its last reader is done with it: the RoPE unit after S, each V half after its last P V.
+enum GatherPart : int { kRopePart = 0, kVLeftPart = 1, kVRightPart = 2, kGatherParts = 3 };
 
 // SharedStorage::probs_posted[event] completes (once per pair) when the mailbox holds
 enum MailboxEvent : int {
@@ -52,9 +58,27 @@ struct SplitKvTraits {
                 "sparse decoding: bf16 q and RoPE as given, latent dequantised to bf16");
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
   static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
-  static constexpr int kNumWarpgroups = 2;
+  static constexpr int kNumWarpgroups = 2;                                // the computing warpgroups
   static constexpr int kWarpgroupThreads = 128;
-  static constexpr int kThreads = kNumWarpgroups * kWarpgroupThreads;
+  static constexpr int kMathThreads = kNumWarpgroups * kWarpgroupThreads;
+  static constexpr int kGatherWarpgroups = kSparse ? 1 : 0;
+  static constexpr int kThreads = kMathThreads + kGatherWarpgroups * kWarpgroupThreads;
+  // Sparse: registers per thread after setmaxnreg (multiples of 8): the computing warpgroups hold O, S and P,
+  // the gather warpgroup copies and dequantises (with 48 ptxas spilled it, at 40 with 232 for the others too). The
+  // split may use no more than the CTA got at launch (168 a thread at 384 threads): setmaxnreg.inc waits for
+  // registers the other warpgroups gave back, forever if they never can.
+  static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
+  // Sparse: page a's latent units are dequantised by kPageA itself, page b's by the gather warpgroup (measured
+  // against page b by kPageB, and each S warpgroup its left V halves: docs/PERF.md). The warpgroup that dequantises
+  // gets the registers for it (232; 216 leave kPageB's S and P V without spills).
+  static constexpr int kSelfDequantisedStage = 0;
+  static constexpr bool self_dequantises(int stage) { return stage == kSelfDequantisedStage; }
+  static constexpr int kPageARegisters = 232;
+  static constexpr int kPageBRegisters = 216;
+  static constexpr int kGatherRegisters = 56;
+  static_assert(!kSparse || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kGatherRegisters) <=
+                                kThreads * kLaunchRegisters,
+                "the register split fits what the CTA holds");
   static constexpr int kColsPerWarpgroup = kHeadDimV / kNumWarpgroups;    // 256: N of O = P V (WGMMA max)
   static constexpr int kVecElems = 16 / sizeof(Element);                  // one cp.async moves 16 bytes
   static constexpr int kStages = 2;                                       // page buffers: a and b of a pair
@@ -164,9 +188,13 @@ struct SplitKvTraits {
     // kE4m3Scores: page a's V[:, 256:512] widened (kPageA widens it after issuing P_a V_a; kPageB waits before
     // its own P_a V_a). Once per pair, as the mailbox.
     alignas(8) uint64_t v_right_widened;
+    // Sparse cache: the raw bytes of each V half of each buffer landed (the gather warpgroup's bulk copies and
+    // cp.async), and each part of each buffer released by its last reader (GatherPart).
+    alignas(8) uint64_t raw_full[kStages][2];
+    alignas(8) uint64_t part_free[kStages][kGatherParts];
     // Sparse cache: which slots of the page in buffer [stage] hold a token, for the page waited for with phase
-    // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE refill by the
-    // warpgroup that computes S on the buffer, read by it after that S.
+    // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE gather by the gather
+    // warpgroup, read by the warpgroup that computes S on the buffer after that S.
     alignas(16) uint32_t key_valid[kStages][2][4];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);

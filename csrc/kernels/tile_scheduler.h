@@ -49,7 +49,8 @@ struct PageBlock {
 constexpr PageBlock kNoBlock{0, false, false};
 
 // kSparse: a "sequence" is a batch row of sparse decoding, its keys the index slots of the row tile's query token
-// (SPEC.md "Sparse FP8 decoding"), and a page's block is the token of this thread's copy row (copy_row).
+// (SPEC.md "Sparse FP8 decoding"), and a page's block is the token of this thread's copy row (copy_row; -1 for the
+// computing warpgroups, which only need to know whether a page comes).
 template <bool kSparse = false>
 class PieceRange {
  public:
@@ -102,6 +103,11 @@ class PieceRange {
     return block_of(next_seq_using(current.seq + 1, stage), stage);
   }
 
+  // Page `page` of `current` (sparse: the index of this thread's copy row of it).
+  FLASH_MLA_HOST_DEVICE PageBlock page_of(const Piece& current, int page) const {
+    return page_block(current.seq, current.begin / kPageBlockSize + page, current.split, current.end);
+  }
+
   // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now);
   // `after` = first_block_after(current, stage), looked up once per piece so that the pair loop holds no
   // search over the following pieces (cold code between its hot blocks costs instruction fetches).
@@ -116,6 +122,7 @@ class PieceRange {
   // `end`: the end of seq's piece (sparse: slots at or past it name no token).
   FLASH_MLA_HOST_DEVICE PageBlock page_block(int seq, int page_in_seq, bool split, int end) const {
     if (!kSparse) return PageBlock{p_.block_table[seq * p_.block_table_stride + page_in_seq], true, split};
+    if (copy_row_ < 0) return PageBlock{-1, true, split};    // a computing warpgroup: whether a page comes, no index
     const int slot = page_in_seq * kPageBlockSize + copy_row_;
     // The raw index: the gather checks its range where it uses it, so that nothing waits for this load here.
     const int token = slot < end ? load_early(&indices_[seq * p_.indices_batch_stride + slot]) : -1;
