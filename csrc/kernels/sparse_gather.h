@@ -14,18 +14,15 @@
 //
 // Copies, issued by the gather warpgroup (WarpgroupRole::kGather, the CTA's third; run() draws its schedule) once
 // the computing warpgroups released the buffer part (part_free): thread t serves row t / 2, whose index PieceRange
-// looked up for it (copy_row), with half t % 2 of the work. A V half's 256 raw bytes of a row go by one bulk copy of
-// the row's first thread (cp.async.bulk: the TMA unit, transaction bytes on raw_full), its scales by an 8-byte
-// cp.async of the second; the RoPE unit by 16-byte cp.async, four rows per warp instruction (the row's token by
-// shuffle from the lane that looked it up); a slot with no token by zero-filling cp.async. Measured on the b = 128
-// rows (docs/PERF.md): per-thread cp.async of the latent rows (16 tokens' lines per warp instruction) 11-13 % slower
-// than 128-byte bulk copies per unit, and those ~10 % slower than one 256-byte copy per V half (each bulk copy costs
-// the issuing warp a loop over its lanes). Each thread arrives (count 128) once its cp.async copies have landed
-// (cp.async.mbarrier.arrive.noinc), after lane 0 of its warp has added the warp's bulk bytes to the phase's
-// transaction count (so the phase cannot complete before them). The RoPE gather also records which slots hold a
-// token (key_valid, one ballot word per warp, plain stores), which the S warpgroup reads after its S: a plain
-// (release) arrival orders them, on a latent unit's unit_full (unit 0's for the page whose S warpgroup dequantises
-// it itself, which waits for it with its raw bytes).
+// looked up for it (copy_row). Everything goes by cp.async (the LSU path), a slot with no token zero-filling: a
+// V half's latent bytes two rows per warp instruction (gather_v_half), the scales 8 bytes per row, the RoPE unit four
+// rows per warp instruction. Measured on the b = 128 rows (docs/PERF.md): one 256-byte bulk copy per row and V half
+// (the TMA unit) costs the issuing warp a serial loop over its lanes, ~30 % of the gather warpgroup's time, and was
+// 5 % slower; with the S warpgroups gathering (before this warpgroup existed), bulk copies had been the faster.
+// Each thread arrives (count 128) once its copies have landed (cp.async.mbarrier.arrive.noinc). The RoPE gather
+// also records which slots hold a token (key_valid, one ballot word per warp, plain stores), which the S warpgroup
+// reads after its S: a plain (release) arrival orders them, on a latent unit's unit_full (unit 0's for the page
+// whose S warpgroup dequantises it itself, which waits for it with its raw bytes).
 //
 // Dequantisation: bf16(stored * scale * 2^-60), in place, unit by unit: page b's by the gather warpgroup (fenced into
 // the async proxy, then unit_full), page a's by kPageA just before its WGMMAs (as the FP8 cache's widening): a third
@@ -40,7 +37,6 @@
 #pragma once
 
 #include <cuda_bf16.h>
-#include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -117,8 +113,8 @@ struct SparseGather {
                 "4 latent units of 128 e4m3 columns (one scale group each) and the bf16 RoPE unit");
   static_assert(2 * kBlockN == kWgThreads, "two threads per row of a page");
 
-  // A V half v (latent units 2 v and 2 v + 1, columns 256 v .. 256 v + 255) travels as one 256-byte bulk copy per
-  // row: raw row r at byte 256 r of the half's second unit's segments, which that unit's dequantisation overwrites
+  // A V half v (latent units 2 v and 2 v + 1, columns 256 v .. 256 v + 255) travels as 256 raw bytes per row:
+  // raw row r at byte 256 r of the half's second unit's segments, which that unit's dequantisation overwrites
   // in place last. The row's two scales (8 bytes) land at the start of its line in the first unit's second
   // segment, which the first unit's dequantisation overwrites after reading them.
   __device__ static char* raw_row(char* tile, int v_half, int row) {
@@ -136,11 +132,11 @@ struct SparseGather {
   // The schedule, per pair of pages (a, b) the computing warpgroups take next (mainloop.h), b in buffer 1 only
   // when the piece has it; a buffer's first page waits for nothing, a later one for each part's release:
   //   1. RoPE unit of a, then of b (released right after S on the buffer): cp.async, arrival on unit_full.
-  //   2. V halves of a, then of b (each released after its last P V): bulk copies and cp.async onto raw_full.
-  //   3. a's latent units, then b's, in the order S takes them: wait for the half's raw bytes, dequantise, fence
-  //      into the async proxy, arrive on the unit's unit_full.
-  // So b's copies are in flight while a is dequantised, and S never dequantises. The computing warpgroups' S
-  // waits for each unit's unit_full as it would for a TMA copy.
+  //   2. V halves of a, then of b (each released after its last P V): cp.async onto raw_full.
+  //   3. b's latent units, in the order S takes them: wait for the half's raw bytes, dequantise, fence into the
+  //      async proxy, arrive on the unit's unit_full (kPageA dequantises a's itself, after raw_full).
+  // kPageB's S waits for each unit's unit_full as it would for a TMA copy. Copying b before a (a's S comes first in
+  // the pair) measured 7 % slower.
   __device__ static void run(const DecodeParams& p, SharedStorage& smem, const PieceRange<true>& range) {
     // Pages put into each buffer so far: the parity of their barriers' phases. Scalars, not an array: the stage
     // loops stay rolled (one copy of the dequantisation), and a runtime-indexed array would live in local memory.
@@ -224,29 +220,27 @@ struct SparseGather {
     cutlass::arch::cpasync_barrier_arrive_noinc(full);
   }
 
-  // V half `v_half` of the page whose slot for this thread's row holds `token`: the row's 256 latent bytes by one
-  // bulk copy from its first thread (the TMA unit; zero-filling cp.async instead when the slot names no token),
-  // its two scales by an 8-byte cp.async from its second; everything completes on `raw` (count 128; lane 0 of
-  // each warp adds the warp's bulk bytes to the phase's transaction count before they are issued).
+  // V half `v_half` of the page whose slot for this thread's row holds `token`: the 256 latent bytes of the warp's
+  // 16 rows by 16-byte cp.async, two rows per warp instruction (lanes 16 k + c: chunk c of row 2 i + k; a row's token
+  // by shuffle from the lane that looked it up), the row's two scales by an 8-byte cp.async of its second thread;
+  // everything completes on `raw` (count 128).
   __device__ static void gather_v_half(const DecodeParams& p, char* tile, uint64_t* raw, int token, int v_half) {
-    const int t = threadIdx.x % kWgThreads, row = t / 2, half = t % 2;
-    const bool has_token = token >= 0 && token < p.num_tokens;
-    const char* src = static_cast<const char*>(p.k_cache) +
-                      (has_token ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
-    char* raw_bytes = raw_row(tile, v_half, row);
-    const bool bulk = half == 0 && has_token;
-    const uint32_t bulk_rows = __popc(__ballot_sync(0xffffffffu, bulk));
-    if (threadIdx.x % 32 == 0 && bulk_rows != 0) {
-      cutlass::arch::ClusterTransactionBarrier::expect_transaction(raw, bulk_rows * 256);
+    const int t = threadIdx.x % kWgThreads, lane = t % 32, warp_row0 = t / 32 * 16;
+    CUTE_UNROLL
+    for (int i = 0; i < 8; ++i) {
+      const int r = 2 * i + lane / 16;
+      const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
+      const bool valid = row_token >= 0 && row_token < p.num_tokens;
+      const char* row_src = static_cast<const char*>(p.k_cache) +
+                            (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
+      cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + lane % 16 * 16, row_src + v_half * 256 + lane % 16 * 16,
+                        valid);
     }
-    __syncwarp();
-    if (bulk) {
-      cute::SM90_BULK_COPY_G2S::copy(src + v_half * 256, raw, raw_bytes, 256);
-    } else if (half == 0) {
-      CUTE_UNROLL
-      for (int chunk = 0; chunk < 16; ++chunk) cp_async_16_zfill(raw_bytes + chunk * 16, src, false);
-    } else {
-      cp_async_8_zfill(scale_pair(tile, v_half, row), src + SparseTokenLayout::kScalesOffset + 8 * v_half, has_token);
+    if (t % 2 == 1) {
+      const bool has_token = token >= 0 && token < p.num_tokens;
+      const char* src = static_cast<const char*>(p.k_cache) +
+                        (has_token ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
+      cp_async_8_zfill(scale_pair(tile, v_half, t / 2), src + SparseTokenLayout::kScalesOffset + 8 * v_half, has_token);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(raw);
   }

@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   // Sparse: each gather thread copies one row of every page (sparse_gather.h); the range looks up its token. The
   // computing warpgroups' range looks up none (copy row -1).
   const bool gathers = Traits::kSparse && warpgroup == static_cast<int>(WarpgroupRole::kGather);
-  const int copy_row = gathers ? threadIdx.x % Traits::kWarpgroupThreads / 2 : -1;
+  const int copy_row = gathers ? static_cast<int>(threadIdx.x % Traits::kWarpgroupThreads / 2) : -1;
   const PieceRange<Traits::kSparse> range(params, blockIdx.z, m_tile, copy_row);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();

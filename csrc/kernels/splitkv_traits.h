@@ -188,8 +188,8 @@ struct SplitKvTraits {
     // kE4m3Scores: page a's V[:, 256:512] widened (kPageA widens it after issuing P_a V_a; kPageB waits before
     // its own P_a V_a). Once per pair, as the mailbox.
     alignas(8) uint64_t v_right_widened;
-    // Sparse cache: the raw bytes of each V half of each buffer landed (the gather warpgroup's bulk copies and
-    // cp.async), and each part of each buffer released by its last reader (GatherPart).
+    // Sparse cache: the raw bytes of each V half of each buffer landed (the gather warpgroup's cp.async), and
+    // each part of each buffer released by its last reader (GatherPart).
     alignas(8) uint64_t raw_full[kStages][2];
     alignas(8) uint64_t part_free[kStages][kGatherParts];
     // Sparse cache: which slots of the page in buffer [stage] hold a token, for the page waited for with phase
