@@ -12,7 +12,7 @@ FLASH_MLA_NAMESPACE_BEGIN
 enum class WarpgroupBarrier : uint32_t {
   kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (ids 2, 3)
   kUnitWidened = 6,       // FP8 cache: the warpgroup widened a page unit for its S (ids 6, 7)
-  kRawRowsRead = 10,      // sparse: the gather warpgroup read the raw rows it overwrites next (warpgroup 0: id 10)
+  kRawRowsRead = 10,      // sparse: the gather warpgroup read the raw rows it overwrites next (one id: 10)
 };
 
 // Barriers of both computing warpgroups (256 threads).
