@@ -388,8 +388,7 @@ struct SplitKvMainloop {
           // Page b's latent units come dequantised and fenced by the gather warpgroup; the RoPE unit's cp.async
           // bytes are fenced here, once landed.
           if (dequantises) {
-            Gather::dequantize_unit(reinterpret_cast<char*>(smem.k[stage].data()), unit,
-                                    WarpgroupBarrier::kUnitWidened, warpgroup);
+            Gather::dequantize_unit(Gather::tile_of(smem, stage), unit, WarpgroupBarrier::kUnitWidened, warpgroup);
             cutlass::arch::fence_view_async_shared();
             warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
           } else if (unit == kRopeUnit) {

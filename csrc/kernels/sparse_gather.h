@@ -195,6 +195,14 @@ struct SparseGather {
     return reinterpret_cast<char*>(smem.k[stage].data());
   }
 
+  // Whether a slot's `token` names one (an index outside [0, num_tokens) counts as none), and the first of its
+  // 656 bytes in the cache: token 0's for none, which a zero-filling copy then never reads.
+  __device__ static bool names_token(const DecodeParams& p, int token) { return token >= 0 && token < p.num_tokens; }
+  __device__ static const char* token_bytes(const DecodeParams& p, int token) {
+    return static_cast<const char*>(p.k_cache) +
+           (names_token(p, token) ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
+  }
+
   // The RoPE unit of the page whose slot for this thread's row holds `token` (< 0: none) into `tile`, arriving on
   // `full` (count 128) once this thread's copies have landed; which slots hold a token goes to key_valid (4
   // words, word w bit 2 k for row 16 w + k). A warp copies its 16 rows four at a time: lane l takes chunk l % 8
@@ -203,19 +211,16 @@ struct SparseGather {
   __device__ static void gather_rope(const DecodeParams& p, char* tile, uint64_t* full, uint32_t* key_valid,
                                      int token) {
     const int t = threadIdx.x % kWgThreads;
-    const bool has_token = token >= 0 && token < p.num_tokens;
     const int lane = t % 32, warp_row0 = t / 32 * 16;
     CUTE_UNROLL
     for (int i = 0; i < 4; ++i) {
       const int r = 4 * i + lane / 8;
       const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
-      const bool valid = row_token >= 0 && row_token < p.num_tokens;
-      const char* row_src = static_cast<const char*>(p.k_cache) +
-                            (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
       cp_async_16_zfill(tile + Traits::swizzled_chunk_offset(Traits::kRopeSegment, warp_row0 + r, lane % 8),
-                        row_src + SparseTokenLayout::kRopeOffset + lane % 8 * 16, valid);
+                        token_bytes(p, row_token) + SparseTokenLayout::kRopeOffset + lane % 8 * 16,
+                        names_token(p, row_token));
     }
-    const uint32_t ballot = __ballot_sync(0xffffffffu, has_token);
+    const uint32_t ballot = __ballot_sync(0xffffffffu, names_token(p, token));
     if (threadIdx.x % 32 == 0) key_valid[t / 32] = ballot;
     cutlass::arch::cpasync_barrier_arrive_noinc(full);
   }
@@ -230,17 +235,12 @@ struct SparseGather {
     for (int i = 0; i < 8; ++i) {
       const int r = 2 * i + lane / 16;
       const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
-      const bool valid = row_token >= 0 && row_token < p.num_tokens;
-      const char* row_src = static_cast<const char*>(p.k_cache) +
-                            (valid ? int64_t(row_token) : 0) * SparseTokenLayout::kTokenBytes;
-      cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + lane % 16 * 16, row_src + v_half * 256 + lane % 16 * 16,
-                        valid);
+      cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + lane % 16 * 16,
+                        token_bytes(p, row_token) + v_half * 256 + lane % 16 * 16, names_token(p, row_token));
     }
     if (t % 2 == 1) {
-      const bool has_token = token >= 0 && token < p.num_tokens;
-      const char* src = static_cast<const char*>(p.k_cache) +
-                        (has_token ? int64_t(token) : 0) * SparseTokenLayout::kTokenBytes;
-      cp_async_8_zfill(scale_pair(tile, v_half, t / 2), src + SparseTokenLayout::kScalesOffset + 8 * v_half, has_token);
+      cp_async_8_zfill(scale_pair(tile, v_half, t / 2),
+                       token_bytes(p, token) + SparseTokenLayout::kScalesOffset + 8 * v_half, names_token(p, token));
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(raw);
   }
