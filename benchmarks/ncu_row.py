@@ -8,6 +8,7 @@ outside the profiled range and one call inside it, then prints one column per ke
     python benchmarks/ncu_row.py --anchors .anchors --fp8 --b 128 --mean 8192 --h-q 128 --s-q 2
     python benchmarks/ncu_row.py --anchors .anchors --smem --impls flash_mla,head     # shared-memory banks
     python benchmarks/ncu_row.py --anchors .anchors --l2 --impls flash_mla,head       # L2 load, crossbar bytes
+    python benchmarks/ncu_row.py --anchors .anchors --sparse --launch --pipes          # launch shape, pipes
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
@@ -70,6 +71,22 @@ L2_METRICS = {
     "DRAM throughput (% of peak, elapsed)": ("dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
 }
 
+# `--launch`: the launch shape (threads, cluster, registers, shared memory), which a kernel's design shows.
+LAUNCH_METRICS = {
+    "threads per CTA": ("launch__block_size", 1.0),
+    "cluster size (CTAs)": ("launch__cluster_size", 1.0),
+    "registers per thread": ("launch__registers_per_thread", 1.0),
+    "shared memory per CTA (KiB, dynamic + static)": ("launch__shared_mem_per_block", 1 / 1024),
+}
+
+# `--pipes`: instructions by the pipe that executes them (M), where an instruction budget goes: integer and logic
+# (alu), fp32 and packed 16-bit (fma; fmaheavy: its multiply-heavy half), transcendentals (xu), memory (lsu),
+# uniform datapath, branches and barrier polls (cbu).
+PIPE_METRICS = {
+    f"instructions, {pipe} pipe (M)": (f"smsp__inst_executed_pipe_{pipe}.sum", 1e-6)
+    for pipe in ("alu", "fma", "fmaheavy", "xu", "lsu", "uniform", "cbu", "adu")
+}
+
 
 def child(args):
     """Inside ncu: build the workload, run each implementation once warm, once profiled."""
@@ -99,12 +116,25 @@ def child(args):
         torch.cuda.profiler.stop()
 
 
+def known_metrics(shown, known):
+    """The rows whose metric this ncu knows (names differ between versions: `known` is `ncu --query-metrics`'s
+    words; the launch attributes are not listed there but always present), and the labels of the others."""
+    dropped = [label for label, (m, _) in shown.items()
+               if not m.startswith("launch__") and m.split(".")[0] not in known]
+    return {label: v for label, v in shown.items() if label not in dropped}, dropped
+
+
 def parent(args):
     ncu = shutil.which("ncu")
     if ncu is None:
         sys.exit("ncu_row: ncu is not on PATH")
     shown = {**METRICS, **(STALL_METRICS if args.stalls else {}), **(SMEM_METRICS if args.smem else {}),
-             **(L2_METRICS if args.l2 else {})}
+             **(L2_METRICS if args.l2 else {}), **(LAUNCH_METRICS if args.launch else {}),
+             **(PIPE_METRICS if args.pipes else {})}
+    known = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout.split()
+    shown, dropped = known_metrics(shown, known)
+    if dropped:
+        print(f"# not known to this ncu: {', '.join(dropped)}")
     metrics = ",".join(m for m, _ in shown.values())
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
            "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
@@ -161,6 +191,8 @@ def main():
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
     ap.add_argument("--smem", action="store_true", help="also the shared-memory banks, WGMMA count")
     ap.add_argument("--l2", action="store_true", help="also all L2 reads, crossbar bytes to the SMs, L2 and DRAM load")
+    ap.add_argument("--launch", action="store_true", help="also the launch shape (threads, cluster, registers, smem)")
+    ap.add_argument("--pipes", action="store_true", help="also the instructions per execution pipe")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     (child if args.child else parent)(args)

@@ -303,3 +303,19 @@ def test_smoke_run_with_the_triton_interpreter(tmp_path):
     with open(tmp_path / "bench_flash_mla.csv") as f:
         rows = list(csv.DictReader(f))
     assert rows and all(r["backend"] == "triton" and r["status"] == "OK" for r in rows), rows
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# benchmarks/ncu_row.py: which metric rows survive an ncu that does not know some names
+
+
+def test_ncu_row_keeps_known_metrics_and_launch_attributes():
+    import ncu_row
+    shown = {**ncu_row.METRICS, **ncu_row.LAUNCH_METRICS, **ncu_row.PIPE_METRICS}
+    known = ["gpu__time_duration", "smsp__inst_executed", "smsp__inst_executed_pipe_alu"]
+    kept, dropped = ncu_row.known_metrics(shown, known)
+    assert set(kept) | set(dropped) == set(shown) and not set(kept) & set(dropped)
+    assert "duration (us)" in kept and "instructions, alu pipe (M)" in kept
+    assert "instructions, fma pipe (M)" in dropped and "DRAM bytes read / cache bytes" in dropped
+    # launch attributes are never listed by --query-metrics and are always kept
+    assert all(label in kept for label in ncu_row.LAUNCH_METRICS) and "grid size (CTAs)" in kept
