@@ -1,0 +1,91 @@
+"""Where a warp-specialised kernel's warps spend their time, role by role, from ncu's per-instruction counters.
+
+    ncu --profile-from-start off --section SourceCounters -k regex:splitkv_kernel -c 1 -o rep \\
+        python benchmarks/ncu_row.py --child --anchors .anchors --impls flash_mla --sparse --h-q 128 --s-q 2
+    ncu -i rep.ncu-rep --page source --csv --print-source sass > src.csv
+    python benchmarks/ncu_roles.py src.csv
+
+Each role of the split kernel begins at its setmaxnreg (USETMAXREG in SASS), so the code splits there: the setup
+before the first one, then one region per role in address order. ptxas places the retry loops of mbarrier waits
+out of line after the kernel's last EXIT, shared by every role: they form a region of their own (their
+instructions are polls, not work). Per region: warp-state samples (each sample is one warp's state; a role whose
+warps live through the whole kernel gets samples in proportion to its warps), instructions executed, and the
+largest stall reasons as shares of the region's samples. The registers a role asked for name it (the sparse split
+kernel: kPageA 232, kPageB 216, the gather warpgroup 56; splitkv_traits.h).
+"""
+import argparse
+import csv
+import io
+import re
+
+
+def load(path_or_text):
+    """(address, SASS, {stall reason: samples}, instructions executed) per instruction, in address order."""
+    text = open(path_or_text).read() if "\n" not in path_or_text else path_or_text
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
+    rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
+    reasons = [h for h in rows[0] if h.startswith("stall_") and "(Not Issued)" not in h] if rows else []
+
+    def number(x):
+        try:
+            return float(str(x).replace(",", ""))
+        except ValueError:
+            return 0.0
+    out = []
+    for r in rows:
+        address = r.get("Address", "")
+        if not address.startswith("0x"):
+            continue
+        out.append((int(address, 16), r["Source"].strip(), {k[len("stall_"):]: number(r[k]) for k in reasons},
+                    number(r.get("Instructions Executed", 0))))
+    out.sort()
+    return out
+
+
+def regions(instructions):
+    """[(name, instructions)]: setup, one region per setmaxnreg, and the waits' retry loops after the last EXIT."""
+    if not instructions:
+        return []
+    base = instructions[0][0]
+    exits = [a for a, src, _, _ in instructions if re.fullmatch(r"(@!?U?P\w+\s+)?EXIT", src)]
+    tail = exits[-1] if exits else None
+    marks = [(a, src) for a, src, _, _ in instructions if "USETMAXREG" in src and (tail is None or a < tail)]
+    bounds = [(base, "setup")] + [(a, f"role at +0x{a - base:x} ({int(src.split()[-1], 0)} registers)")
+                                  for a, src in marks]
+    out = []
+    for k, (start, name) in enumerate(bounds):
+        end = bounds[k + 1][0] if k + 1 < len(bounds) else (tail + 1 if tail is not None else float("inf"))
+        out.append((name, [i for i in instructions if start <= i[0] < end]))
+    if tail is not None:
+        out.append(("after the last EXIT (mbarrier wait retries)", [i for i in instructions if i[0] > tail]))
+    return out
+
+
+def summary(name, instructions, top=5):
+    samples = {}
+    for _a, _src, stalls, _n in instructions:
+        for reason, v in stalls.items():
+            samples[reason] = samples.get(reason, 0.0) + v
+    total = sum(samples.values())
+    executed = sum(n for *_rest, n in instructions)
+    largest = sorted(samples.items(), key=lambda kv: -kv[1])[:top]
+    shares = " ".join(f"{reason} {100 * v / total:.0f}%" for reason, v in largest if total > 0)
+    return {"region": name, "samples": total, "instructions": executed, "stalls": shares}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass")
+    args = ap.parse_args()
+    rows = [summary(name, ins) for name, ins in regions(load(args.csv))]
+    all_samples = sum(r["samples"] for r in rows) or 1.0
+    print("| region | samples (% of all) | instructions executed (M) | largest stall reasons |")
+    print("|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['region']} | {r['samples']:.0f} ({100 * r['samples'] / all_samples:.1f}) | "
+              f"{r['instructions'] / 1e6:.1f} | {r['stalls']} |")
+
+
+if __name__ == "__main__":
+    main()
