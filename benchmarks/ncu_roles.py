@@ -19,9 +19,9 @@ import io
 import re
 
 
-def load(path_or_text):
-    """(address, SASS, {stall reason: samples}, instructions executed) per instruction, in address order."""
-    text = open(path_or_text).read() if "\n" not in path_or_text else path_or_text
+def load(text):
+    """(address, SASS, {stall reason: samples}, instructions executed) per instruction of an export's text, in
+    address order."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
@@ -78,7 +78,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass")
     args = ap.parse_args()
-    rows = [summary(name, ins) for name, ins in regions(load(args.csv))]
+    with open(args.csv) as f:
+        rows = [summary(name, ins) for name, ins in regions(load(f.read()))]
     all_samples = sum(r["samples"] for r in rows) or 1.0
     print("| region | samples (% of all) | instructions executed (M) | largest stall reasons |")
     print("|---|---|---|---|")
