@@ -132,7 +132,7 @@ struct SparseGather {
   // The schedule, per pair of pages (a, b) the computing warpgroups take next (mainloop.h), b in buffer 1 only
   // when the piece has it; a buffer's first page waits for nothing, a later one for each part's release:
   //   1. RoPE unit of a, then of b (released right after S on the buffer): cp.async, arrival on unit_full.
-  //   2. V halves of a, then of b (each released after its last P V): cp.async onto raw_full.
+  //   2. V halves a-left, b-left, a-right, b-right (each released after its last P V): cp.async onto raw_full.
   //   3. b's latent units, in the order S takes them: wait for the half's raw bytes, dequantise, fence into the
   //      async proxy, arrive on the unit's unit_full (kPageA dequantises a's itself, after raw_full).
   // kPageB's S waits for each unit's unit_full as it would for a TMA copy. Copying b before a (a's S comes first in
@@ -159,15 +159,17 @@ struct SparseGather {
           // barrier, which kPageA (dequantising a's units itself) waits for instead; page b's latent arrivals.
           if (Traits::self_dequantises(stage)) Barrier::arrive(&smem.unit_full[stage][0]);
         }
+        // V halves in the order their buffers are released: a's left (after kPageA's P_b V_b issue), b's left
+        // (kPageA's P_b V_b done), a's right (kPageB's P_a V_a done), b's right (kPageB's P_b V_b done), so that
+        // page b's dequantisation (this warpgroup's, on the pair's critical path) starts a copy earlier.
 #pragma unroll 1
-        for (int stage = 0; stage < buffers; ++stage) {
+        for (int k = 0; k < 2 * buffers; ++k) {
+          const int stage = buffers == 2 ? (k == 1 || k == 3) : 0;
+          const int v_half = buffers == 2 ? k / 2 : k;
           const uint32_t pages = stage == 0 ? pages_0 : pages_1;
-#pragma unroll 1
-          for (int v_half = 0; v_half < 2; ++v_half) {
-            if (pages > 0) Barrier::wait(&smem.part_free[stage][kVLeftPart + v_half], (pages - 1) & 1);
-            gather_v_half(p, tile_of(smem, stage), &smem.raw_full[stage][v_half], stage == 0 ? token_0 : token_1,
-                          v_half);
-          }
+          if (pages > 0) Barrier::wait(&smem.part_free[stage][kVLeftPart + v_half], (pages - 1) & 1);
+          gather_v_half(p, tile_of(smem, stage), &smem.raw_full[stage][v_half], stage == 0 ? token_0 : token_1,
+                        v_half);
         }
         // The latent units no S warpgroup dequantises itself (Traits::self_dequantises), V half by V half.
 #pragma unroll 1
