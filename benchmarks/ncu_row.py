@@ -50,8 +50,9 @@ STALL_METRICS = {
 }
 
 # `--smem`: the shared-memory data banks (every operand a WGMMA reads from shared memory, TMA's writes, the
-# mailbox's loads and stores) beside the WGMMA count: S at N = 64 reads 4 KiB of operands per 32 tensor cycles,
-# the banks' nominal rate, so the split kernel could be bound by the banks rather than by the tensor pipe.
+# mailbox's loads and stores) beside the WGMMA count and how busy the tensor pipe is: S at N = 64 reads 4 KiB of
+# operands per 32 tensor cycles, the banks' nominal rate, so the split kernel could be bound by the banks rather
+# than by the tensor pipe.
 SMEM_METRICS = {
     "WGMMA instructions (M, per warp)": ("sm__inst_executed_pipe_tensor_op_gmma.sum", 1e-6),
     "shared bank reads (% of peak, elapsed)": ("l1tex__data_bank_reads.avg.pct_of_peak_sustained_elapsed", 1.0),
@@ -59,6 +60,10 @@ SMEM_METRICS = {
     "shared bank reads (M)": ("l1tex__data_bank_reads.sum", 1e-6),
     "shared bank writes (M)": ("l1tex__data_bank_writes.sum", 1e-6),
     "LSU shared wavefronts (M)": ("l1tex__data_pipe_lsu_wavefronts_mem_shared.sum", 1e-6),
+    "tensor pipe (WGMMA) active (% of peak, elapsed)": (
+        "sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "tensor pipe (WGMMA) active (% of peak, active)": (
+        "sm__pipe_tensor_op_hmma_type_hmma_hgmma_qgmma_cycles_active.avg.pct_of_peak_sustained_active", 1.0),
 }
 
 # `--l2`: every L2 read (TMA copies included, whatever unit asked), the bytes L2 sends the SMs over the crossbar,

@@ -343,3 +343,34 @@ def test_ncu_roles_splits_at_setmaxnreg_and_the_last_exit():
     assert role_a["instructions"] == 108 and role_a["samples"] == 40 and role_a["stalls"].startswith("long_sb 75%")
     assert gather["samples"] == 20 and gather["stalls"].startswith("wait 75%")
     assert retries["instructions"] == 1000
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# benchmarks/sparse_locality.py: index patterns over the referee's cache layout (each sequence owns its pages)
+
+
+@pytest.mark.parametrize("pattern", ["random", "sorted", "whole-pages", "same-tokens-per-row", "in-l2"])
+def test_sparse_locality_patterns(pattern):
+    import sparse_locality
+    b, s_q, topk, page, pool = 3, 2, 128, 64, 1024
+    g = torch.Generator().manual_seed(5)
+    idx, distinct = sparse_locality.make_indices(pattern, b, s_q, topk, g, page, pool)
+    assert idx.shape == (b, s_q, topk) and idx.dtype == torch.int32
+    assert 0 <= int(idx.min()) and int(idx.max()) < b * pool
+    assert distinct == torch.unique(idx).numel()
+    for i in range(b):
+        for s in range(s_q):
+            assert torch.unique(idx[i, s]).numel() == topk     # a row never names a token twice
+    pages = idx.long() // page
+    if pattern == "in-l2":     # every row inside sequence 0's first 2048 tokens' pages: few distinct pages
+        assert torch.unique(pages).numel() <= 2048 // page
+    else:                      # each sequence's tokens lie in pages of its own
+        owners = [set(pages[i].flatten().tolist()) for i in range(b)]
+        assert all(not owners[i] & owners[j] for i in range(b) for j in range(i + 1, b))
+    if pattern in ("whole-pages", "same-tokens-per-row"):
+        assert torch.equal(idx[:, 0], idx[:, 1])
+    if pattern == "whole-pages":    # topk / page whole pages, each page's 64 slots in order
+        assert distinct == b * topk and torch.equal(idx.long() % page, (torch.arange(topk) % page).expand_as(idx))
+    if pattern == "sorted":     # the same draw as random, in pool order
+        rnd, _ = sparse_locality.make_indices("random", b, s_q, topk, torch.Generator().manual_seed(5), page, pool)
+        assert torch.equal(torch.sort(idx, dim=-1).values, torch.sort(rnd, dim=-1).values)
