@@ -149,12 +149,15 @@ struct SparseGather {
         const int buffers = page + 1 < num_pages ? 2 : 1;
         const int token_0 = range.page_of(piece, page).block;
         const int token_1 = buffers == 2 ? range.page_of(piece, page + 1).block : -1;
+        // This thread's row's token of the page in buffer `stage`, and the pages that buffer took before it.
+        auto token_in = [&](int stage) { return stage == 0 ? token_0 : token_1; };
+        auto pages_before = [&](int stage) { return stage == 0 ? pages_0 : pages_1; };
 #pragma unroll 1
         for (int stage = 0; stage < buffers; ++stage) {
-          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+          const uint32_t pages = pages_before(stage);
           if (pages > 0) Barrier::wait(&smem.part_free[stage][kRopePart], (pages - 1) & 1);
           gather_rope(p, tile_of(smem, stage), &smem.unit_full[stage][kRopeUnit], smem.key_valid[stage][pages & 1],
-                      stage == 0 ? token_0 : token_1);
+                      token_in(stage));
           // key_valid is a plain store and the RoPE arrival a cp.async one: page a's release for it is unit 0's
           // barrier, which kPageA (dequantising a's units itself) waits for instead; page b's latent arrivals.
           if (Traits::self_dequantises(stage)) Barrier::arrive(&smem.unit_full[stage][0]);
@@ -166,15 +169,14 @@ struct SparseGather {
         for (int k = 0; k < 2 * buffers; ++k) {
           const int stage = buffers == 2 ? (k == 1 || k == 3) : 0;
           const int v_half = buffers == 2 ? k / 2 : k;
-          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+          const uint32_t pages = pages_before(stage);
           if (pages > 0) Barrier::wait(&smem.part_free[stage][kVLeftPart + v_half], (pages - 1) & 1);
-          gather_v_half(p, tile_of(smem, stage), &smem.raw_full[stage][v_half], stage == 0 ? token_0 : token_1,
-                        v_half);
+          gather_v_half(p, tile_of(smem, stage), &smem.raw_full[stage][v_half], token_in(stage), v_half);
         }
         // The latent units no S warpgroup dequantises itself (Traits::self_dequantises), V half by V half.
 #pragma unroll 1
         for (int stage = 0; stage < buffers; ++stage) {
-          const uint32_t pages = stage == 0 ? pages_0 : pages_1;
+          const uint32_t pages = pages_before(stage);
 #pragma unroll 1
           for (int v_half = 0; v_half < 2; ++v_half) {
             if (Traits::self_dequantises(stage)) continue;
