@@ -91,6 +91,13 @@ PIPE_METRICS = {
     f"instructions, {pipe} pipe (M)": (f"smsp__inst_executed_pipe_{pipe}.sum", 1e-6)
     for pipe in ("alu", "fma", "fmaheavy", "xu", "lsu", "uniform", "cbu", "adu")
 }
+# ... and how busy the integer and fp32 pipes are (the alu pipe takes a warp instruction in two cycles): whether
+# warpgroups that dequantise at the same time on one SM sub-partition queue for it.
+PIPE_METRICS.update({
+    f"{pipe} pipe active (% of peak, active cycles)":
+        (f"sm__pipe_{pipe}_cycles_active.avg.pct_of_peak_sustained_active", 1.0)
+    for pipe in ("alu", "fma", "shared")
+})
 
 
 def child(args):
