@@ -85,8 +85,9 @@ struct SplitKvEpilogue {
           *reinterpret_cast<Pair*>(dst + col) = Pair{{static_cast<Out>(x0), static_cast<Out>(x1)}};
         });
       };
-      // The FP8-cache kernel computes in fp16 and writes bf16 (an e4m3 or bf16 q) or fp16 (an fp16 q).
-      if (Traits::kFp8Cache && p.out_bf16) {
+      // The FP8-cache kernel computes in fp16 and writes bf16 (an e4m3 or bf16 q) or fp16 (an fp16 q); the sparse
+      // kernel computes in fp16 and writes bf16 (out_bf16 is always set there).
+      if ((Traits::kFp8Cache || Traits::kSparse) && p.out_bf16) {
         store_out(cutlass::bfloat16_t{});
       } else {
         store_out(Element{});

@@ -262,10 +262,10 @@ struct SplitKvMainloop {
   // The Q tile after q_full, FP8 cache: a bf16 q is rounded to fp16 chunk by chunk (each thread rewrites the
   // chunks it read); then both warpgroups wait for each other. Every row's bytes are in place (rows past
   // rows_per_kv are zeros). Nothing to do for an fp16 q, nor for an e4m3 one (kE4m3Scores: S reads its bytes).
-  // Sparse cache: Q's latent columns are multiplied by 2^60 instead (sparse_gather.h, dequantisation).
+  // Sparse cache: Q's latent columns are rounded to fp16 (sparse_gather.h, dequantisation), its RoPE ones stay bf16.
   __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
     if constexpr (Traits::kSparse) {
-      Gather::scale_q_latent(reinterpret_cast<char*>(smem.q.data()), warpgroup);
+      Gather::q_latent_to_fp16(reinterpret_cast<char*>(smem.q.data()), warpgroup);
       cutlass::arch::fence_view_async_shared();
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)),
                    "r"(Traits::kMathThreads) : "memory");
@@ -364,36 +364,24 @@ struct SplitKvMainloop {
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup,
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
-                                                   FragS& tSrS) {
+                                                   FragS& tSrS, int* exponent = nullptr) {
     using namespace cute;
     if constexpr (Traits::kE4m3Scores) {
       compute_s_e4m3(smem, stage, phase, warpgroup, valid_rows, tSrQ, tSrK, tSrS);
+    } else if constexpr (Traits::kSparse) {
+      *exponent = compute_s_sparse(smem, stage, phase, warpgroup, tSrQ, tSrK, tSrS);
     } else {
       typename Traits::TiledMmaS mma;
       warpgroup_fence_operand(tSrS);
       CUTE_UNROLL
       for (int i = 0; i < kUnits; ++i) {
         const int unit = (i + kRopeUnit) % kUnits;
-        // Sparse: the units this S warpgroup dequantises itself (Traits::self_dequantises), each V half once its raw
-        // bytes landed; unit 0's barrier then only orders key_valid.
-        const bool dequantises = Traits::kSparse && unit != kRopeUnit && Traits::self_dequantises(stage);
-        if (!dequantises || unit == 0) Barrier::wait(&smem.unit_full[stage][unit], phase);    // unit 0: key_valid
-        if (dequantises && unit % 2 == 0) Barrier::wait(&smem.raw_full[stage][unit / 2], phase);
+        Barrier::wait(&smem.unit_full[stage][unit], phase);
         if constexpr (Traits::kFp8Cache) {
           widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
           __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-        } else if constexpr (Traits::kSparse) {
-          // Page b's latent units come dequantised and fenced by the gather warpgroup; the RoPE unit's cp.async
-          // bytes are fenced here, once landed.
-          if (dequantises) {
-            Gather::dequantize_unit(Gather::tile_of(smem, stage), unit, WarpgroupBarrier::kUnitWidened, warpgroup);
-            cutlass::arch::fence_view_async_shared();
-            warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
-          } else if (unit == kRopeUnit) {
-            cutlass::arch::fence_view_async_shared();
-          }
         }
         warpgroup_arrive();
         CUTE_UNROLL
@@ -407,6 +395,75 @@ struct SplitKvMainloop {
       warpgroup_wait<0>();
       warpgroup_fence_operand(tSrS);
     }
+  }
+
+  // Sparse: S = Q K^T over the page in buffer `stage`, whose latent keys are 2^-E times their values (sparse_gather.h):
+  // the RoPE unit first on bf16 (as gathered; its bytes land first), then, with unit 0 (dequantised here for page a,
+  // by the gather warpgroup for page b) the page's exponent E, the accumulator times 2^-E (the RoPE WGMMAs are long
+  // complete by then), the latent units on fp16 into it, each waited for (and, for page a, dequantised) just before
+  // its WGMMAs, and S times 2^E once complete. Returns E.
+  template <class FragQ, class FragK, class FragS>
+  __device__ __forceinline__ static int compute_s_sparse(SharedStorage& smem, int stage, uint32_t phase,
+                                                         int warpgroup, const FragQ& tSrQ, const FragK& tSrK,
+                                                         FragS& tSrS) {
+    using namespace cute;
+    typename Traits::TiledMmaS mma;
+    typename Traits::TiledMmaSRope mma_rope;
+    const bool dequantises = Traits::self_dequantises(stage);
+    char* tile = Gather::tile_of(smem, stage);
+    // ---- RoPE unit: S = Q_rope K_rope^T (bf16) ---------------------------------------------------------------
+    Barrier::wait(&smem.unit_full[stage][kRopeUnit], phase);
+    cutlass::arch::fence_view_async_shared();    // its cp.async bytes, landed, into the async proxy
+    warpgroup_fence_operand(tSrS);
+    warpgroup_arrive();
+    CUTE_UNROLL
+    for (int kk = 0; kk < Traits::unit_segments(kRopeUnit) * Traits::kKBlocksPerSegment; ++kk) {
+      const int k = Traits::first_segment(kRopeUnit) * Traits::kKBlocksPerSegment + kk;
+      mma_rope.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+      gemm(mma_rope, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+    }
+    warpgroup_commit_batch();
+    // ---- latent units: S += Q_lat (2^-E K_lat)^T (fp16), S = 2^-E S_rope first ------------------------------
+    int exponent = 0;
+    CUTE_UNROLL
+    for (int unit = 0; unit < kRopeUnit; ++unit) {
+      // unit 0's barrier: its dequantisation (page b) or key_valid and the RoPE bytes' order (page a)
+      if (!dequantises || unit == 0) Barrier::wait(&smem.unit_full[stage][unit], phase);
+      if (dequantises && unit % 2 == 0) Barrier::wait(&smem.raw_full[stage][unit / 2], phase);
+      if (dequantises) {
+        if (unit == 0) {
+          exponent = Gather::page_exponent_of(tile, WarpgroupBarrier::kUnitWidened, warpgroup,
+                                              smem.scale_max_partial[stage], &smem.page_exponent[stage][phase]);
+        }
+        Gather::dequantize_unit(tile, unit, WarpgroupBarrier::kUnitWidened, warpgroup, exponent);
+        cutlass::arch::fence_view_async_shared();
+        warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+      } else if (unit == 0) {
+        exponent = smem.page_exponent[stage][phase];    // written before unit 0's arrival
+      }
+      if (unit == 0) {
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(tSrS);
+        const float unscale = pow2(-exponent);
+        CUTE_UNROLL
+        for (int j = 0; j < size(tSrS); ++j) tSrS(j) *= unscale;
+        warpgroup_fence_operand(tSrS);
+      }
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int kk = 0; kk < Traits::unit_segments(unit) * Traits::kKBlocksPerSegment; ++kk) {
+        const int k = Traits::first_segment(unit) * Traits::kKBlocksPerSegment + kk;
+        mma.accumulate_ = GMMA::ScaleOut::One;
+        gemm(mma, tSrQ(_, _, k), tSrK(_, _, k), tSrS);
+      }
+    }
+    warpgroup_commit_batch();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    const float rescale = pow2(exponent);
+    CUTE_UNROLL
+    for (int j = 0; j < size(tSrS); ++j) tSrS(j) *= rescale;
+    return exponent;
   }
 
   // kE4m3Scores: S = Q K^T over the page in buffer `stage` on the e4m3 tensor cores, straight from the copied
@@ -582,6 +639,9 @@ struct SplitKvMainloop {
     clear(tOrO);
 
     RowStats stats;
+    // Sparse: O's power of two (O holds 2^-frame times its value; sparse_gather.h): the largest page exponent so
+    // far, the same in both warpgroups after each pair (kNoFrame: no page yet).
+    int frame = kNoFrame;
     int last_visible[kRowsPerThread];     // the last key index each row may see
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
@@ -608,7 +668,8 @@ struct SplitKvMainloop {
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
-        compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS);
+        int exponent_a = 0;
+        compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS, &exponent_a);
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
         if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
@@ -620,7 +681,22 @@ struct SplitKvMainloop {
           m_a[r] = lazy_reference(stats.max[r], m_a[r], scale_log2);
           scale[r] = rescale_factor(stats.max[r], m_a[r], scale_log2);
         }
-        exponentiate(S, m_a, scale_log2, rowsum_a);
+        if constexpr (Traits::kSparse) {
+          // P V takes P_a times 2^(E_a - frame') into O, which moves to frame' = max(frame, E_a); the sums stay true.
+          const int frame_a = max(frame, exponent_a);
+          // (2^(E_a - frame') in exp2 itself, at least 2^-100: a page that much below the frame adds nothing to O that
+          // fp16 could hold, and the sums, taken back by 2^(frame' - E_a), keep P's larger values.)
+          const int offset = max(exponent_a - frame_a, -100);
+          exponentiate(S, m_a, scale_log2, rowsum_a, static_cast<float>(offset));
+          CUTE_UNROLL
+          for (int r = 0; r < kRowsPerThread; ++r) {
+            rowsum_a[r] *= pow2(-offset);
+            scale[r] *= frame_factor(frame - frame_a);
+          }
+          frame = frame_a;
+        } else {
+          exponentiate(S, m_a, scale_log2, rowsum_a);
+        }
         to_operand(tSrS, tOrPa);
         post_probs(smem, tOrPa);
         smem.stats[wg_thread] = make_float4(m_a[0], m_a[1], rowsum_a[0], rowsum_a[1]);
@@ -641,6 +717,12 @@ struct SplitKvMainloop {
           take_probs(smem, tOrPb);
           CUTE_UNROLL
           for (int r = 0; r < kRowsPerThread; ++r) scale[r] = rescale_factor(m_a[r], m_b[r], scale_log2);
+          if constexpr (Traits::kSparse) {    // P_b comes in frame max(frame, E_b) (kPageB's): O_L moves there
+            const int frame_b = max(frame, smem.page_exponent[1][phases.page[1]]);
+            CUTE_UNROLL
+            for (int r = 0; r < kRowsPerThread; ++r) scale[r] *= frame_factor(frame - frame_b);
+            frame = frame_b;
+          }
           // O_L may be rescaled only once P_a V_a is done (long done by now in the common case).
           wait_pv(tOrO);
           scale_rows(O, scale);
@@ -666,8 +748,10 @@ struct SplitKvMainloop {
         // ---- softmax of b against its own reference m_b' (no wait for kPageA's) -----------------------------
         float ref_b[kRowsPerThread] = {stats.max[0], stats.max[1]};    // m_b'
         float rowsum_b[kRowsPerThread] = {0.f, 0.f};
+        int exponent_b = kNoFrame;
         if (has_b) {
-          compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS);
+          compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS,
+                    &exponent_b);
           if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
@@ -694,6 +778,18 @@ struct SplitKvMainloop {
           scale_own[r] = rescale_factor(ref_b[r], m_b[r], scale_log2);               // m_b' -> m_b
           stats.sum[r] = (stats.sum[r] * scale_a + rowsum_a[r]) * scale_b[r] + rowsum_b[r] * scale_own[r];
           stats.max[r] = m_b[r];
+        }
+        if constexpr (Traits::kSparse) {
+          // The pair's frame: P_a comes in frame max(frame, E_a) (kPageA's), P_b moves from E_b, O_R from frame.
+          const int frame_a = max(frame, smem.page_exponent[0][phases.page[0]]);
+          const int frame_ab = max(frame_a, exponent_b);
+          CUTE_UNROLL
+          for (int r = 0; r < kRowsPerThread; ++r) {
+            scale_own[r] *= frame_factor(exponent_b - frame_ab);
+            scale_b[r] *= frame_factor(frame_a - frame_ab);
+            scale_ab[r] *= frame_factor(frame - frame_ab);
+          }
+          frame = frame_ab;
         }
         if (has_b) {
           // P_b moves to m_b only where kPageA's reference passed this one (rare once the rows have references).
@@ -736,6 +832,9 @@ struct SplitKvMainloop {
     }
     phases.q ^= 1;
 
+    if constexpr (Traits::kSparse) {    // O's true value (a piece with no page has O = 0 and no frame)
+      if (frame != kNoFrame) scale_all(O, pow2(frame));
+    }
     Epilogue::write(p, scales, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
   }
 

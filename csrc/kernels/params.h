@@ -52,7 +52,7 @@ struct DecodeParams {
   float scale_log2;              // softmax_scale * log2(e): scores go straight into exp2
   bool causal;
   int q_format;                  // QFormat
-  bool out_bf16;                 // FP8-cache kernel: out is bf16 (else fp16); the 16-bit kernels write their type
+  bool out_bf16;                 // FP8-cache and sparse kernels: out is bf16 (else fp16); 16-bit kernels: their type
 
   // Inputs (element strides; the last dimension is contiguous).
   const void* q;                 // (batch, seqlen_q, num_heads_q, 576)

@@ -107,14 +107,15 @@ __device__ __forceinline__ void mask_empty_slots(TensorS& S, const TensorC& tScS
   }
 }
 
-// S <- exp2(S * scale_log2 - base(new_max)) in place; returns this thread's part of each row's sum.
+// S <- exp2(S * scale_log2 - base(new_max) + offset) in place; returns this thread's part of each row's sum (with
+// the offset: the sparse kernel's P V frame, sparse_gather.h, whose caller takes it out of the sums).
 template <class TensorS>
 __device__ __forceinline__ void exponentiate(TensorS& S, const float (&new_max)[kRowsPerThread], float scale_log2,
-                                             float (&thread_sum)[kRowsPerThread]) {
+                                             float (&thread_sum)[kRowsPerThread], float offset = 0.f) {
   using namespace cute;
   CUTE_UNROLL
   for (int r = 0; r < kRowsPerThread; ++r) {
-    const float base = exp2_base(new_max[r], scale_log2);
+    const float base = exp2_base(new_max[r], scale_log2) - offset;
     float sum = 0.f;
     CUTE_UNROLL
     for (int c = 0; c < size<1>(S); ++c) {

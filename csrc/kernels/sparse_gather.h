@@ -24,19 +24,21 @@
 // reads after its S: a plain (release) arrival orders them, on a latent unit's unit_full (unit 0's for the page
 // whose S warpgroup dequantises it itself, which waits for it with its raw bytes).
 //
-// Dequantisation: bf16(stored * scale * 2^-60), in place, unit by unit: page b's by the gather warpgroup (fenced into
-// the async proxy, then unit_full), page a's by kPageA just before its WGMMAs (as the FP8 cache's widening): a third
-// warpgroup dequantising both pages was slower than the S warpgroups dequantising one each (docs/PERF.md). An e4m3 byte
-// s.eeee.mmm becomes the bf16 s.0000eeee.mmm0000, exactly stored * 2^-120 (subnormals included), multiplied by C =
-// bf16(scale * 2^60): one bf16 multiply per pair of values, so the key is rounded twice (C and the product), at most
-// one unit in the last place from the once-rounded value (C split into two bf16 to round once cost 4 % more on the
-// sparse rows; tests/test_sparse_dequant.py models the arithmetic bit for bit). The 2^-60 keeps C a finite normal
-// number from the quantiser's smallest scale (2^-126) to just below 2^68 (latent values up to ~10^23); the kernel
-// multiplies Q's latent columns by 2^60 (exact) and the output by 2^60 (SplitKvScales::out), so S and O come out
-// unscaled.
+// Dequantisation: fp16(stored * fp16(scale * 2^-E)), in place, unit by unit: page b's by the gather warpgroup
+// (fenced into the async proxy, then unit_full), page a's by kPageA just before its WGMMAs (as the FP8 cache's
+// widening): a third warpgroup dequantising both pages was slower than the S warpgroups dequantising one each
+// (docs/PERF.md). E is one power of two per page: the exponent of the page's largest scale, rounded up
+// (page_exponent: every scale times 2^-E is at most 1), from all 64 tokens' four scales, which the left V half's copy
+// brings along (16 bytes; the right half's brings its two again). An e4m3 byte widens to fp16 exactly
+// (`cvt.rn.f16x2.e4m3x2`, NaN included), then one fp16 multiply per pair of values: the key is rounded twice (the
+// factor and the product; tests/test_sparse_dequant.py models the arithmetic bit for bit). The keys are thus 2^-E
+// times their values: S's RoPE unit (bf16, as gathered) is computed first and its accumulator multiplied by 2^-E
+// before the latent units add to it, S by 2^E after; P V takes P times 2^(E - E_ref) for the running largest E_ref
+// of the piece and O comes out times 2^E_ref (mainloop.h). Q's latent columns are rounded to fp16.
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
@@ -44,63 +46,63 @@
 #include "params.h"
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
+#include "utils.h"
 #include "variant.h"
 
 FLASH_MLA_NAMESPACE_BEGIN
-
-// 2^60 (see the file comment).
-constexpr float kSparseKScale = 1.152921504606846976e18f;
 
 __device__ __forceinline__ void cp_async_8_zfill(void* smem_dst, const void* gmem_src, bool valid) {
   const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(gmem_src), "r"(valid ? 8 : 0));
 }
 
-// e4m3 bytes b0, b1 (the low two bytes of `word` after the byte selection `select`) -> the bf16 pair stored * 2^-120.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2_scaled(uint32_t word, uint32_t select) {
-  uint32_t t;     // b0 << 8 | b1 << 24
-  asm("prmt.b32 %0, %1, 0, %2;\n" : "=r"(t) : "r"(word), "r"(select));
-  return (t & 0x80008000u) | ((t >> 4) & 0x07F007F0u);
-}
+// 2^e as a float, e in [-126, 127].
+__device__ __forceinline__ float pow2(int e) { return __uint_as_float(static_cast<uint32_t>(127 + e) << 23); }
 
-// Bit 7 of each byte of the result is set where that byte of `word` is an e4m3 NaN (s.1111.111): its low seven bits
-// are all ones, so they carry into bit 7 once incremented.
-__device__ __forceinline__ uint32_t e4m3x4_nan_flags(uint32_t word) {
-  return ((word & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u;
-}
+// The frames of P and O (the file comment, mainloop.h): 2^d for an exponent difference d <= 0, 0 past fp32's normal
+// range (a page with no exponent yet: kNoFrame).
+constexpr int kNoFrame = -1000;
+__device__ __forceinline__ float frame_factor(int d) { return d < -126 ? 0.f : pow2(d); }
 
-// 16 e4m3 values -> 16 bf16 values bf16(stored * 2^-120 * C) (0..7 in lo, 8..15 in hi), C = bf16(scale * 2^60) in
-// both halves of `c`: one multiply per pair. NaN stays NaN (as the reference's float32 dequantisation has it).
-__device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __nv_bfloat162 c, uint4& lo, uint4& hi) {
-  const uint32_t words[4] = {in.x, in.y, in.z, in.w};
-  uint32_t out[8];
+// Every element of a register tensor times f (nothing to do for f == 1, the common case).
+template <class TensorX>
+__device__ __forceinline__ void scale_all(TensorX&& x, float f) {
+  if (f == 1.f) return;
   CUTE_UNROLL
-  for (int w = 0; w < 4; ++w) {
-    CUTE_UNROLL
-    for (int half = 0; half < 2; ++half) {
-      const uint32_t bits = e4m3x2_to_bf16x2_scaled(words[w], half == 0 ? 0x1404u : 0x3424u);
-      const __nv_bfloat162 y = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), c);
-      out[2 * w + half] = *reinterpret_cast<const uint32_t*>(&y);
-    }
+  for (int j = 0; j < cute::size(x); ++j) x(j) *= f;
+}
+
+// The power of two a page's keys are stored without (the file comment): the exponent of its largest scale magnitude
+// (a float >= 0; zero for a page with no token), rounded up, within [-126, 126] so that 2^-E and 2^E are normal
+// floats (an infinite scale then stays infinite in the factor, as in the reference's dequantisation).
+__device__ __forceinline__ int page_exponent(float max_scale) {
+  const uint32_t bits = __float_as_uint(max_scale);
+  const int biased = static_cast<int>(bits >> 23);
+  const int e = biased == 0 ? -126 : biased - 127 + ((bits & 0x7FFFFFu) != 0);
+  return min(max(e, -126), 126);
+}
+
+// 16 e4m3 values -> 16 fp16 values fp16(stored * c) (0..7 in lo, 8..15 in hi): exact widening (NaN stays NaN),
+// then one fp16 multiply per pair.
+__device__ __forceinline__ uint32_t hmul2_bits(uint32_t x, __half2 c) {
+  const __half2 y = __hmul2(*reinterpret_cast<const __half2*>(&x), c);
+  return *reinterpret_cast<const uint32_t*>(&y);
+}
+// Bytes 0, 1 (high = false) or 2, 3 of `word`, two e4m3 values, as the fp16 pair fp16(stored * c).
+__device__ __forceinline__ uint32_t dequantize_e4m3x2(uint32_t word, bool high, __half2 c) {
+  uint32_t wide;
+  if (high) {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, h;\n}\n" : "=r"(wide) : "r"(word));
+  } else {
+    asm("{\n .reg .b16 l, h;\n mov.b32 {l, h}, %1;\n cvt.rn.f16x2.e4m3x2 %0, l;\n}\n" : "=r"(wide) : "r"(word));
   }
-  // An e4m3 NaN would come out finite. Rare: the common path only tests for one, and the fix is short (a short
-  // fix measured 6 % faster on the sparse rows than a per-value loop, whose code crowded the instruction cache):
-  // the flag bit of byte 2 k + i, replicated into a 16-bit mask by prmt's sign mode, makes half i of out[k] NaN.
-  const uint32_t any_nan = e4m3x4_nan_flags(words[0]) | e4m3x4_nan_flags(words[1]) | e4m3x4_nan_flags(words[2]) |
-                           e4m3x4_nan_flags(words[3]);
-  if (any_nan != 0) {
-    CUTE_UNROLL
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t flags = e4m3x4_nan_flags(words[w]);
-      uint32_t mask_low, mask_high;     // bytes 0, 1 -> out[2 w]; bytes 2, 3 -> out[2 w + 1]
-      asm("prmt.b32 %0, %1, 0, 0x9988;\n" : "=r"(mask_low) : "r"(flags));
-      asm("prmt.b32 %0, %1, 0, 0xBBAA;\n" : "=r"(mask_high) : "r"(flags));
-      out[2 * w] |= mask_low & 0x7FFF7FFFu;
-      out[2 * w + 1] |= mask_high & 0x7FFF7FFFu;
-    }
-  }
-  lo = make_uint4(out[0], out[1], out[2], out[3]);
-  hi = make_uint4(out[4], out[5], out[6], out[7]);
+  return hmul2_bits(wide, c);
+}
+__device__ __forceinline__ void dequantize_e4m3x16(const uint4& in, __half2 c, uint4& lo, uint4& hi) {
+  lo = make_uint4(dequantize_e4m3x2(in.x, false, c), dequantize_e4m3x2(in.x, true, c),
+                  dequantize_e4m3x2(in.y, false, c), dequantize_e4m3x2(in.y, true, c));
+  hi = make_uint4(dequantize_e4m3x2(in.z, false, c), dequantize_e4m3x2(in.z, true, c),
+                  dequantize_e4m3x2(in.w, false, c), dequantize_e4m3x2(in.w, true, c));
 }
 
 template <class Traits>
@@ -133,8 +135,9 @@ struct SparseGather {
   // when the piece has it; a buffer's first page waits for nothing, a later one for each part's release:
   //   1. RoPE unit of a, then of b (released right after S on the buffer): cp.async, arrival on unit_full.
   //   2. V halves a-left, b-left, a-right, b-right (each released after its last P V): cp.async onto raw_full.
-  //   3. b's latent units, in the order S takes them: wait for the half's raw bytes, dequantise, fence into the
-  //      async proxy, arrive on the unit's unit_full (kPageA dequantises a's itself, after raw_full).
+  //   3. b's latent units, in the order S takes them: wait for the half's raw bytes (the left half's first: the
+  //      page's exponent), dequantise, fence into the async proxy, arrive on the unit's unit_full (kPageA
+  //      dequantises a's itself, after raw_full).
   // kPageB's S waits for each unit's unit_full as it would for a TMA copy. Copying b before a (a's S comes first in
   // the pair) measured 7 % slower.
   __device__ static void run(const DecodeParams& p, SharedStorage& smem, const PieceRange<true>& range) {
@@ -177,14 +180,19 @@ struct SparseGather {
 #pragma unroll 1
         for (int stage = 0; stage < buffers; ++stage) {
           const uint32_t pages = pages_before(stage);
+          int exponent = 0;
 #pragma unroll 1
           for (int v_half = 0; v_half < 2; ++v_half) {
             if (Traits::self_dequantises(stage)) continue;
             Barrier::wait(&smem.raw_full[stage][v_half], pages & 1);
-            dequantize_unit(tile_of(smem, stage), 2 * v_half, WarpgroupBarrier::kRawRowsRead, 0);
+            if (v_half == 0) {
+              exponent = page_exponent_of(tile_of(smem, stage), WarpgroupBarrier::kRawRowsRead, 0,
+                                          smem.scale_max_partial[stage], &smem.page_exponent[stage][pages & 1]);
+            }
+            dequantize_unit(tile_of(smem, stage), 2 * v_half, WarpgroupBarrier::kRawRowsRead, 0, exponent);
             cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
             Barrier::arrive(&smem.unit_full[stage][2 * v_half]);
-            dequantize_unit(tile_of(smem, stage), 2 * v_half + 1, WarpgroupBarrier::kRawRowsRead, 0);
+            dequantize_unit(tile_of(smem, stage), 2 * v_half + 1, WarpgroupBarrier::kRawRowsRead, 0, exponent);
             cutlass::arch::fence_view_async_shared();
             Barrier::arrive(&smem.unit_full[stage][2 * v_half + 1]);
           }
@@ -231,8 +239,8 @@ struct SparseGather {
 
   // V half `v_half` of the page whose slot for this thread's row holds `token`: the 256 latent bytes of the warp's
   // 16 rows by 16-byte cp.async, two rows per warp instruction (lanes 16 k + c: chunk c of row 2 i + k; a row's token
-  // by shuffle from the lane that looked it up), the row's two scales by an 8-byte cp.async of its second thread;
-  // everything completes on `raw` (count 128).
+  // by shuffle from the lane that looked it up), the row's scales by one cp.async of its second thread (all four
+  // with the left half, the right half's two with it); everything completes on `raw` (count 128).
   __device__ static void gather_v_half(const DecodeParams& p, char* tile, uint64_t* raw, int token, int v_half) {
     const int t = threadIdx.x % kWgThreads, lane = t % 32, warp_row0 = t / 32 * 16;
     CUTE_UNROLL
@@ -242,9 +250,14 @@ struct SparseGather {
       cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + lane % 16 * 16,
                         token_bytes(p, row_token) + v_half * 256 + lane % 16 * 16, names_token(p, row_token));
     }
-    if (t % 2 == 1) {
-      cp_async_8_zfill(scale_pair(tile, v_half, t / 2),
-                       token_bytes(p, token) + SparseTokenLayout::kScalesOffset + 8 * v_half, names_token(p, token));
+    if (t % 2 == 1) {    // the left half brings all four scales (the page's exponent needs them), the right its two
+      if (v_half == 0) {
+        cp_async_16_zfill(scale_pair(tile, 0, t / 2), token_bytes(p, token) + SparseTokenLayout::kScalesOffset,
+                          names_token(p, token));
+      } else {
+        cp_async_8_zfill(scale_pair(tile, 1, t / 2), token_bytes(p, token) + SparseTokenLayout::kScalesOffset + 8,
+                         names_token(p, token));
+      }
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(raw);
   }
@@ -258,8 +271,10 @@ struct SparseGather {
   //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
   // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
   //   32 + r / 2): every thread loads all four passes, the warpgroup syncs, then they store.
-  // The caller fences the writes into the async proxy before it announces the unit.
-  __device__ static void dequantize_unit(char* tile, int unit, WarpgroupBarrier raw_read, int warpgroup) {
+  // The caller fences the writes into the async proxy before it announces the unit. `exponent`: the page's
+  // (page_exponent_of, before the first unit).
+  __device__ static void dequantize_unit(char* tile, int unit, WarpgroupBarrier raw_read, int warpgroup,
+                                        int exponent) {
     constexpr int kPasses = kBlockN / 16;
     const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
     const int v_half = unit / 2, second = unit % 2;
@@ -267,9 +282,10 @@ struct SparseGather {
     const int first = (i / 4) & 1;     // lanes 4..7 store their second chunk first (bank spread, as widen_unit)
     char* dst_first = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
     char* dst_second = tile + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
+    const float unscale = pow2(-exponent);
     auto store = [&](int pass, const uint4& bytes, float scale) {
       uint4 chunk_first, chunk_second;
-      dequantize_e4m3x16(bytes, __float2bfloat162_rn(scale * kSparseKScale), chunk_first, chunk_second);
+      dequantize_e4m3x16(bytes, __float2half2_rn(scale * unscale), chunk_first, chunk_second);
       *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
       *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
     };
@@ -310,18 +326,37 @@ struct SparseGather {
     }
   }
 
-  // Q's latent columns (segments 0..7 of the tile) times 2^60, exact: S = (2^60 Q) (2^-60 K)^T. Each warpgroup
-  // takes half of the 16-byte chunks; the caller fences and syncs both warpgroups.
-  __device__ static void scale_q_latent(char* q_tile, int warpgroup) {
+  // The page's exponent (page_exponent) from its 64 rows' four scales, once the left V half's raw bytes landed and
+  // before its first unit is dequantised: each lane takes the rows of its dequantisation passes, the warps' maxima
+  // meet in `partial` (4 floats of this buffer) across a warpgroup barrier. Every thread returns it; thread 0 also
+  // stores it in `out` for the S warpgroups, which read it after the unit's announcement (or the mailbox).
+  __device__ static int page_exponent_of(char* tile, WarpgroupBarrier barrier, int warpgroup, float* partial,
+                                         int* out) {
+    constexpr int kPasses = kBlockN / 16;
+    const int t = threadIdx.x % kWgThreads, row0 = t / 8;
+    float m = 0.f;
+#pragma unroll 1
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const float4 sc = *reinterpret_cast<const float4*>(scale_pair(tile, 0, row0 + 16 * pass));
+      m = fmaxf(m, fmaxf(fmaxf(fabsf(sc.x), fabsf(sc.y)), fmaxf(fabsf(sc.z), fabsf(sc.w))));
+    }
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));     // the warp's four row groups (lanes t / 8)
+    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    if (t % 32 == 0) partial[t / 32] = m;
+    warpgroup_sync(barrier, warpgroup);
+    const float4 all = *reinterpret_cast<const float4*>(partial);
+    const int exponent = page_exponent(fmaxf(fmaxf(all.x, all.y), fmaxf(all.z, all.w)));
+    if (t == 0) *out = exponent;
+    return exponent;
+  }
+
+  // Q's latent columns (segments 0..7 of the tile) rounded to fp16 (the RoPE segment stays bf16 for S's RoPE unit);
+  // each warpgroup takes half of the 16-byte chunks; the caller fences and syncs both warpgroups.
+  __device__ static void q_latent_to_fp16(char* q_tile, int warpgroup) {
     constexpr int kChunks = Traits::kRopeSegment * kSegmentBytes / 16;
-    const __nv_bfloat162 factor = __float2bfloat162_rn(kSparseKScale);
     uint4* chunks = reinterpret_cast<uint4*>(q_tile);
     for (int c = warpgroup * kWgThreads + threadIdx.x % kWgThreads; c < kChunks; c += 2 * kWgThreads) {
-      uint4 v = chunks[c];
-      __nv_bfloat162* pairs = reinterpret_cast<__nv_bfloat162*>(&v);
-      CUTE_UNROLL
-      for (int k = 0; k < 4; ++k) pairs[k] = __hmul2(pairs[k], factor);
-      chunks[c] = v;
+      chunks[c] = bf16x8_to_f16x8(chunks[c]);
     }
   }
 };

@@ -69,8 +69,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   // The descales are inputs too (maybe written by the kernel before this one): read after the wait.
   const float descale_k = params.descale_k != nullptr ? *params.descale_k : 1.f;
   const float descale_q = params.descale_q != nullptr ? *params.descale_q : 1.f;
-  // A sparse page is dequantised to 2^-60 times its values (sparse_gather.h): the output takes the 2^60 back.
-  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, Traits::kSparse ? kSparseKScale : descale_k};
+  // A sparse page is dequantised to 2^-E times its values, E per page, taken back in the mainloop (sparse_gather.h).
+  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, Traits::kSparse ? 1.f : descale_k};
 
   const int m_tile = blockIdx.x, kv_head = blockIdx.y;
   const int warpgroup = threadIdx.x / Traits::kWarpgroupThreads;

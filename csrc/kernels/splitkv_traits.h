@@ -54,8 +54,8 @@ struct SplitKvTraits {
   static_assert(!kE4m3Scores || kFp8Cache, "e4m3 scores need the FP8 cache's bytes");
   static_assert(sizeof(Element) == 2 && (!kFp8Cache || std::is_same_v<Element, cutlass::half_t>),
                 "16-bit math; an e4m3 cache widens to fp16, which holds every e4m3 value exactly");
-  static_assert(!kSparse || std::is_same_v<Element, cutlass::bfloat16_t>,
-                "sparse decoding: bf16 q and RoPE as given, latent dequantised to bf16");
+  static_assert(!kSparse || std::is_same_v<Element, cutlass::half_t>,
+                "sparse decoding: latent dequantised to fp16 (a power of two per page taken out), RoPE bf16");
   static constexpr int kBlockM = kRowsPerTile;              // 64 query rows
   static constexpr int kBlockN = kPageBlockSize;            // 64 keys: one page
   static constexpr int kNumWarpgroups = 2;                                // the computing warpgroups
@@ -73,8 +73,8 @@ struct SplitKvTraits {
   // gets the registers for it (232; 216 leave kPageB's S and P V without spills).
   static constexpr int kSelfDequantisedStage = 0;
   static constexpr bool self_dequantises(int stage) { return stage == kSelfDequantisedStage; }
-  static constexpr int kPageARegisters = 232;
-  static constexpr int kPageBRegisters = 216;
+  static constexpr int kPageARegisters = 240;
+  static constexpr int kPageBRegisters = 208;
   static constexpr int kGatherRegisters = 56;
   static_assert(!kSparse || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kGatherRegisters) <=
                                 kThreads * kLaunchRegisters,
@@ -137,6 +137,9 @@ struct SplitKvTraits {
   // S = Q K^T : (64 x 64) = (64 x 576) (64 x 576)^T, both operands from shared memory.
   using TiledMmaS = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
       Element, Element, float, cute::Shape<BlockM, BlockN, HeadQK>>()));
+  // Sparse: S's RoPE unit on bf16 (q's and the cache's RoPE columns as given) into the same accumulator.
+  using TiledMmaSRope = decltype(cute::make_tiled_mma(cute::GMMA::ss_op_selector<
+      cutlass::bfloat16_t, cutlass::bfloat16_t, float, cute::Shape<BlockM, BlockN, HeadQK>>()));
   // O_half += P V_half : (64 x 256) += (64 x 64) (64 x 256); P from registers, V^T MN-major in shared memory.
   using TiledMmaO = decltype(cute::make_tiled_mma(cute::GMMA::rs_op_selector<
       Element, Element, float, cute::Shape<BlockM, ColsPerWg, BlockN>,
@@ -196,6 +199,11 @@ struct SplitKvTraits {
     // bit [phase]; word w bit 2 k for row 16 w + k (sparse_gather.h). Written with the RoPE gather by the gather
     // warpgroup, read by the warpgroup that computes S on the buffer after that S.
     alignas(16) uint32_t key_valid[kStages][2][4];
+    // Sparse cache: the power of two E taken out of the page in buffer [stage] waited for with phase bit [phase]
+    // (its keys are stored as 2^-E times their values; sparse_gather.h), written by the warpgroup that dequantises
+    // the page before it announces unit 0; and that warpgroup's per-warp partial maxima of the page's scales.
+    alignas(16) float scale_max_partial[kStages][4];
+    alignas(8) int page_exponent[kStages][2];
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "Q + 2 K pages + the mailbox must fit in one SM's shared memory");
