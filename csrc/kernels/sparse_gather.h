@@ -270,7 +270,8 @@ struct SparseGather {
   //   row's scale pair lies in the row's own line, read by the row's eight lanes (one warp) before the __syncwarp
   //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
   // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
-  //   32 + r / 2): every thread loads all four passes, the warpgroup syncs, then they store.
+  //   32 + r / 2): passes 0 and 2 loaded, a warpgroup barrier, pass 0 stored, passes 1 and 3 loaded, pass 1
+  //   stored, a barrier, passes 2 and 3 stored.
   // The caller fences the writes into the async proxy before it announces the unit. `exponent`: the page's
   // (page_exponent_of, before the first unit).
   __device__ static void dequantize_unit(char* tile, int unit, WarpgroupBarrier raw_read, int warpgroup,
@@ -313,16 +314,24 @@ struct SparseGather {
       __syncwarp();    // the first unit's lane 0 of each row stashed the row's second scale; its lanes read it
       uint4 bytes[kPasses];
       float scale[kPasses];
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) {
+      auto load = [&](int pass) {
         const char* row_bytes = raw_row(tile, v_half, row0 + 16 * pass);
         const char* chunk = row_bytes + 128 + i * 16;
         bytes[pass] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
         scale[pass] = *reinterpret_cast<const float*>(row_bytes);
-      }
-      warpgroup_sync(raw_read, warpgroup);    // every raw byte read before any is overwritten
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) store(pass, bytes[pass], scale[pass]);
+      };
+      // Output rows [0, 32) (passes 0, 1) overwrite the raw rows passes 0 and 2 read, rows [32, 64) those of passes
+      // 1 and 3: two rounds, each after a warpgroup barrier, hold fewer raw chunks in registers than all four.
+      load(0);
+      load(2);
+      warpgroup_sync(raw_read, warpgroup);    // raw rows of passes 0 and 2 read everywhere
+      store(0, bytes[0], scale[0]);
+      load(1);
+      load(3);
+      store(1, bytes[1], scale[1]);
+      warpgroup_sync(raw_read, warpgroup);    // raw rows of passes 1 and 3 read everywhere
+      store(2, bytes[2], scale[2]);
+      store(3, bytes[3], scale[3]);
     }
   }
 

@@ -64,18 +64,18 @@ struct SplitKvTraits {
   static constexpr int kGatherWarpgroups = kSparse ? 1 : 0;
   static constexpr int kThreads = kMathThreads + kGatherWarpgroups * kWarpgroupThreads;
   // Sparse: registers per thread after setmaxnreg (multiples of 8): the computing warpgroups hold O, S and P,
-  // the gather warpgroup copies and dequantises page b (56; 48 spilled a gather warpgroup that dequantised as
-  // much). The split may use no more than the CTA got at launch (168 a thread at 384 threads): setmaxnreg.inc
+  // the gather warpgroup copies and dequantises page b. The split may use no more than the CTA got at launch (168 a thread at 384 threads): setmaxnreg.inc
   // waits for registers the other warpgroups gave back, forever if they never can.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
   // Sparse: page a's latent units are dequantised by kPageA itself, page b's by the gather warpgroup (measured
   // against page b by kPageB, and each S warpgroup its left V halves: docs/PERF.md). The warpgroup that dequantises
-  // gets the registers for it (232; 216 leave kPageB's S and P V without spills).
+  // gets the registers for it (240: it also keeps the P V frame, sparse_gather.h; 232 spilled), kPageB 200 (no
+  // spills from 200 to 216), the gather warpgroup 64 (its second unit's fp16 conversions spilled at 56).
   static constexpr int kSelfDequantisedStage = 0;
   static constexpr bool self_dequantises(int stage) { return stage == kSelfDequantisedStage; }
   static constexpr int kPageARegisters = 240;
-  static constexpr int kPageBRegisters = 208;
-  static constexpr int kGatherRegisters = 56;
+  static constexpr int kPageBRegisters = 200;
+  static constexpr int kGatherRegisters = 64;
   static_assert(!kSparse || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kGatherRegisters) <=
                                 kThreads * kLaunchRegisters,
                 "the register split fits what the CTA holds");
