@@ -64,8 +64,9 @@ struct SplitKvTraits {
   static constexpr int kGatherWarpgroups = kSparse ? 1 : 0;
   static constexpr int kThreads = kMathThreads + kGatherWarpgroups * kWarpgroupThreads;
   // Sparse: registers per thread after setmaxnreg (multiples of 8): the computing warpgroups hold O, S and P,
-  // the gather warpgroup copies and dequantises page b. The split may use no more than the CTA got at launch (168 a thread at 384 threads): setmaxnreg.inc
-  // waits for registers the other warpgroups gave back, forever if they never can.
+  // the gather warpgroup copies and dequantises page b. The split may use no more than the CTA got at launch (168
+  // a thread at 384 threads): setmaxnreg.inc waits for registers the other warpgroups gave back, forever if they
+  // never can.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
   // Sparse: page a's latent units are dequantised by kPageA itself, page b's by the gather warpgroup (measured
   // against page b by kPageB, and each S warpgroup its left V halves: docs/PERF.md). The warpgroup that dequantises
