@@ -780,9 +780,10 @@ def test_gpu_split_independence_and_pages(backend):
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
 def test_gpu_cuda_kernel_edge_cases():
-    """The Hopper kernel's gather and dequantisation: group scales from 2^-100 to 2^15 times the data's (the
-    kernel's 2^-60 offset), repeated indices, the cache's first and last tokens, a non-contiguous cache (a slice:
-    copied), lengths ending inside either page buffer, rows of only -1, and no topk_length."""
+    """The Hopper kernel's gather and dequantisation: group scales from 2^-100 to 2^15 times the data's (one power
+    of two per page: fp16 keys across 115 binades), repeated indices, the cache's first and last tokens, a
+    non-contiguous cache (a slice: copied), lengths ending inside either page buffer, rows of only -1, and no
+    topk_length."""
     g = torch.Generator().manual_seed(70)
     num_blocks, page = 40, 64
     x = torch.randn(num_blocks, page, 1, 576, generator=g)

@@ -2,21 +2,21 @@
 on the CPU: the GPU tests check the kernel's results, these check the design they rely on for every e4m3 code and
 the whole float32 range of the group scales.
 
-1. An e4m3 byte s.eeee.mmm moved into a bf16 as s.0000eeee.mmm0000 is exactly the e4m3 value times 2^-120
-   (subnormals included); NaN codes are found by a carry test and patched to NaN through a prmt sign mask.
-2. With C = bf16(scale * 2^60), bf16(x * C) (one bf16 multiply) is bf16(value * scale * 2^-60) to within one unit
-   in the last place: the key is rounded twice (C, then the product), so its relative error stays below
-   2^-7 + 2^-16, twice one rounding's 2^-8 (what flash_mla.testing.sparse_bf16_key_lse_bound allows for).
-3. 2^-60 keeps C finite and normal for every scale from the quantiser's smallest (MIN_SCALE = 2^-126, a group of
-   zeros) up to just below 2^68 (latent values up to ~10^23), so Q * 2^60 and out * 2^60 undo it exactly.
+1. `cvt.rn.f16x2.e4m3x2` widens every e4m3 code to fp16 exactly, NaN codes to NaN (no test or patch needed).
+2. A page's exponent E (page_exponent) is the exponent of its largest scale magnitude rounded up, within
+   [-126, 126]: every scale times 2^-E is at most 1 (at least 1/2 for the largest), so the factor c = fp16(s 2^-E)
+   and the keys code * c stay finite in fp16 (|code| <= 448), and 2^-E, 2^E are normal float32 numbers.
+3. Where c is a normal fp16 number (scales down to 2^-14 of the page's largest), fp16(code * c) (one fp16 multiply)
+   is within one unit in the last place of fp16(value * s * 2^-E): the key is rounded twice (c, then the product),
+   relative error below 2^-10 + 2^-22 where the key is a normal fp16 number, far inside the bf16-key bound the GPU
+   tests allow (flash_mla.testing.sparse_bf16_key_lse_bound, 2^-7 + 2^-16). Below that, c loses precision to
+   fp16's subnormals: the key is off by at most 448 * 2^-25 (c) + 448 * 2^-14 * 2^-11 (the product) in the 2^-E
+   frame, about 2^-15 where the page's largest scale makes keys of up to 448.
+4. The frames of P and O (mainloop.h) move by exact powers of two.
 """
-import math
-
 import torch
 
 from flash_mla.sparse_fp8 import MIN_SCALE
-
-K_SCALE = 2.0 ** 60
 
 
 def e4m3_values() -> torch.Tensor:
@@ -24,88 +24,94 @@ def e4m3_values() -> torch.Tensor:
     return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).double()
 
 
-def kernel_bits_to_bf16(codes: torch.Tensor) -> torch.Tensor:
-    """sparse_gather.h e4m3x2_to_bf16x2_scaled, one code at a time: (b & 0x80) << 8 | (b & 0x7F) << 4."""
-    b = codes.to(torch.int32)
-    return bf16_from_bits(((b & 0x80) << 8) | ((b & 0x7F) << 4)).double()
+def fp16(x: torch.Tensor) -> torch.Tensor:
+    """Round to nearest even in fp16 (subnormals kept; every operand here is exact in float32 first)."""
+    return x.float().half().double()
 
 
-def bf16_from_bits(bits: torch.Tensor) -> torch.Tensor:
-    """int32 tensor of 16-bit patterns (0..0xFFFF) -> the bf16 values they encode."""
-    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(torch.bfloat16)
+def kernel_page_exponent(max_scale: float) -> int:
+    """sparse_gather.h page_exponent: from the float32 bits of the page's largest scale magnitude."""
+    bits = int(torch.tensor(max_scale, dtype=torch.float32).view(torch.int32)) & 0xFFFFFFFF
+    biased = bits >> 23
+    e = -126 if biased == 0 else biased - 127 + (1 if bits & 0x7FFFFF else 0)
+    return min(max(e, -126), 126)
 
 
-def bf16(x: torch.Tensor) -> torch.Tensor:
-    """Round to nearest even in bf16 (every operand here is exact in float32 first, so one rounding)."""
-    return x.float().bfloat16().double()
+def kernel_dequantize(codes: torch.Tensor, scale: torch.Tensor, exponent: int) -> torch.Tensor:
+    """codes: uint8 e4m3 codes; scale: float32 group scales. __hmul2(cvt(code), __float2half2_rn(scale * 2^-E))."""
+    widened = codes.view(torch.float8_e4m3fn).half().double()           # exact, NaN stays NaN
+    c = fp16((scale.float() * 2.0 ** -exponent).double())               # the float32 product is exact (power of two)
+    return fp16(widened * c)
 
 
-def kernel_dequantize(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x: bf16 values (code * 2^-120); scale: float32 group scales. __hmul2(x, __float2bfloat162_rn(scale * 2^60))."""
-    c = bf16((scale.float() * K_SCALE).double())        # the float32 product is exact (a power of two)
-    return bf16(x * c)
-
-
-def kernel_nan_patch(codes: torch.Tensor, dequantised_bits: torch.Tensor) -> torch.Tensor:
-    """sparse_gather.h's NaN fix, one code at a time: the carry test's flag (bit 7 of (b & 0x7F) + 1), replicated
-    into 16 bits by prmt's sign mode, ORs 0x7FFF into the code's bf16 half (exponent and mantissa all ones)."""
-    b = codes.to(torch.int32)
-    flag = ((b & 0x7F) + 1) & 0x80
-    mask = torch.where(flag != 0, 0xFFFF, 0) & 0x7FFF
-    return dequantised_bits | mask
-
-
-def test_bit_move_is_exact_for_every_code():
+def test_widening_is_exact_for_every_code():
     values = e4m3_values()
     codes = torch.arange(256, dtype=torch.uint8)
-    moved = kernel_bits_to_bf16(codes)
+    widened = codes.view(torch.float8_e4m3fn).half().double()
     finite = ~torch.isnan(values)
     assert int(finite.sum()) == 254
-    assert torch.equal(moved[finite], values[finite] * 2.0 ** -120)
+    assert torch.equal(widened[finite], values[finite])
+    assert torch.equal(torch.isnan(widened), ~finite)
     subnormal = finite & (values != 0) & (values.abs() < 2.0 ** -6)
     assert int(subnormal.sum()) == 14                      # 7 per sign, exact too
-    # NaN codes land on finite values (exponent 15, mantissa 7): the kernel's carry test must find exactly them, and
-    # its patch must turn them (after the multiply, whatever the scale made of them) into NaN and nothing else
-    assert torch.isfinite(moved[~finite]).all()
-    low7 = codes.to(torch.int32) & 0x7F
-    carries = ((low7 + 1) & 0x80) != 0
-    assert torch.equal(carries, ~finite)
-    for scale in (MIN_SCALE, 1.0, 2.0 ** 40):
-        product = kernel_dequantize(moved, torch.tensor(scale, dtype=torch.float32)).float().bfloat16()
-        bits = product.view(torch.int16).to(torch.int32) & 0xFFFF
-        patched = bf16_from_bits(kernel_nan_patch(codes, bits))
-        assert torch.equal(torch.isnan(patched), ~finite)
-        assert torch.equal(patched[finite].view(torch.int16), product[finite].view(torch.int16))
+    for exponent in (-126, 0, 126):                        # NaN times any factor stays NaN, finite codes stay finite
+        got = kernel_dequantize(codes, torch.tensor(2.0 ** exponent, dtype=torch.float32), exponent)
+        assert torch.equal(torch.isnan(got), ~finite) and torch.isfinite(got[finite]).all()
+
+
+def test_page_exponent_bounds_every_scale():
+    g = torch.Generator().manual_seed(1)
+    exponents = torch.randint(-126, 127, (500,), generator=g).double()
+    mantissas = 1.0 + torch.rand(500, generator=g, dtype=torch.float64)
+    scales = (mantissas * 2.0 ** exponents).float()
+    scales = torch.cat([scales, torch.tensor([MIN_SCALE, 1.0 / 448, 1.0, 2.0 ** 60, 2.0 ** -126, 3.0e38],
+                                             dtype=torch.float32)])
+    for s in scales.tolist():
+        e = kernel_page_exponent(s)
+        assert -126 <= e <= 126
+        ratio = s * 2.0 ** -e
+        if -126 <= e < 126 and s >= 2.0 ** -126:
+            assert 0.5 < ratio <= 1.0, (s, e)               # the largest scale lands in (1/2, 1]
+        assert ratio <= 4.0                                 # E = 126 clamps scales up to 2^128: c < 4
+        # 2^-E and 2^E are normal float32 numbers (the kernel builds them from the exponent bits)
+        assert torch.finfo(torch.float32).tiny <= 2.0 ** -e <= torch.finfo(torch.float32).max
+    assert kernel_page_exponent(0.0) == -126                # a page with no token: every scale 0
+    assert kernel_page_exponent(float("inf")) == 126        # an infinite scale stays infinite in its factor
 
 
 def test_scaled_product_within_one_unit_in_the_last_place():
     g = torch.Generator().manual_seed(0)
     values = e4m3_values()
     finite = ~torch.isnan(values)
-    codes = torch.arange(256)[finite]
-    x = kernel_bits_to_bf16(codes.to(torch.uint8))
-    exponents = torch.randint(-126, 64, (400,), generator=g).double()
-    mantissas = 1.0 + torch.rand(400, generator=g, dtype=torch.float64)
-    scales = (mantissas * 2.0 ** exponents).float()
-    scales = torch.cat([scales, torch.tensor([MIN_SCALE, 1.0 / 448, 1.0, 2.0 ** 60, 2.0 ** 67], dtype=torch.float32)])
-    got = kernel_dequantize(x[None, :], scales[:, None])                      # (scales, codes)
-    exact = values[finite][None, :] * scales.double()[:, None] * 2.0 ** -60
-    want = bf16(exact)
-    ulp = (want.abs() * 2.0 ** -7).clamp_min(2.0 ** -133)                      # bf16 spacing (8 significant bits)
-    assert torch.isfinite(got).all()
-    assert ((got - want).abs() <= ulp).all(), "more than one unit in the last place"
-    normal = exact.abs() >= 2.0 ** -126
-    relative = ((got - exact).abs() / exact.abs().clamp_min(1e-300))[normal & (exact != 0)]
-    assert relative.max() <= 2.0 ** -7 + 2.0 ** -16, "beyond the two roundings the lse bound allows for"
-    assert (got == want).double().mean() > 0.5
+    codes = torch.arange(256, dtype=torch.uint8)[finite]
+    for _ in range(40):
+        # a page's scales: one largest (sets E), the others up to 2^30 below it
+        top = float((1.0 + torch.rand(1, generator=g, dtype=torch.float64)) *
+                    2.0 ** torch.randint(-126, 100, (1,), generator=g).double())
+        e = kernel_page_exponent(float(torch.tensor(top, dtype=torch.float32)))
+        scales = torch.tensor(top, dtype=torch.float64) * 2.0 ** -(30 * torch.rand(64, generator=g,
+                                                                                    dtype=torch.float64))
+        scales = scales.float()
+        got = kernel_dequantize(codes[None, :], scales[:, None], e)             # (scales, codes): 2^-E keys
+        exact = values[finite][None, :] * scales.double()[:, None] * 2.0 ** -e
+        want = fp16(exact)
+        assert torch.isfinite(got).all() and got.abs().max() <= 448.0
+        c_normal = (scales.double() * 2.0 ** -e >= 2.0 ** -14)[:, None].expand_as(got)
+        ulp = (want.abs() * 2.0 ** -10).clamp_min(2.0 ** -24)                   # fp16 spacing (11 significant bits)
+        assert ((got - want).abs() <= ulp)[c_normal].all(), "more than one unit in the last place"
+        normal = c_normal & (want.abs() >= 2.0 ** -14) & (exact != 0)
+        relative = ((got - exact).abs() / exact.abs().clamp_min(1e-300))[normal]
+        assert relative.max() <= 2.0 ** -10 + 2.0 ** -22, "beyond two fp16 roundings"
+        assert (got - exact).abs()[~c_normal].max() <= 897.0 * 2.0 ** -25, "subnormal factors: absolute bound"
 
 
-def test_offset_keeps_scales_in_range():
-    # C = scale * 2^60 for the extreme scales: finite, normal, and its bf16 split finite; 2^68 is the limit.
-    assert math.isinf(float(torch.tensor(2.0 ** 68, dtype=torch.float32) * K_SCALE))
-    for scale in (MIN_SCALE, 1.99 * 2.0 ** 67):
-        c = float(torch.tensor(scale, dtype=torch.float32) * K_SCALE)
-        assert math.isfinite(c) and c >= torch.finfo(torch.float32).tiny
-        assert math.isfinite(float(bf16(torch.tensor(c, dtype=torch.float64))))
-    # Q's latent values times 2^60 and the output times 2^60 stay finite for |q| < 2^68 and any bf16 output.
-    assert math.isfinite(2.0 ** 67 * K_SCALE) and K_SCALE * 2.0 ** -60 == 1.0
+def test_frames_move_by_exact_powers_of_two():
+    # P times 2^(E - frame) and O times 2^(frame_old - frame) are exact for every difference the kernel forms
+    # (frame_factor: 0 past -126); the sums are taken back by 2^-offset, offset >= -100.
+    p = torch.rand(1000, dtype=torch.float32) * 256
+    for d in (0, -1, -24, -100, -126):
+        f = torch.tensor(2.0 ** d, dtype=torch.float32)
+        assert torch.equal((p * f).double(), p.double() * 2.0 ** d)
+    for offset in (0, -37, -100):
+        back = torch.tensor(2.0 ** -offset, dtype=torch.float32)
+        assert torch.isfinite(back) and float(back) == 2.0 ** -offset

@@ -73,9 +73,13 @@
 // them; "refill" here releases a buffer part to it (part_free, count 128) at the moment a TMA refill would be
 // issued, and only when a page comes for the part. It dequantises page b's latent units; kPageA dequantises page
 // a's itself, each V half once its raw bytes landed (raw_full), just before its WGMMAs. S masks the slots that hold
-// no token (key_valid). Q's latent columns are multiplied by 2^60 once per piece (the dequantised keys are 2^-60
-// times their values); the output takes the 2^60 back (SplitKvScales::out). setmaxnreg splits the registers
-// (splitkv_traits.h).
+// no token (key_valid). The latent keys are fp16 and 2^-E times their values, E per page (sparse_gather.h): S
+// takes the RoPE unit on bf16 first, multiplies its accumulator by 2^-E once unit 0 is there, adds the latent units
+// on fp16 (Q's latent columns rounded to fp16 once per piece) and multiplies S by 2^E. P V and O then run in a
+// frame: O holds 2^-frame times its value, frame the largest E of the piece so far (the same in both warpgroups
+// after each pair); a page's P enters P V times 2^(E - frame) (kPageA's P_a inside exp2, the row sums without it),
+// and O moves with the softmax's rescale factors when the frame does; O is multiplied by 2^frame at the end.
+// setmaxnreg splits the registers (splitkv_traits.h).
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
