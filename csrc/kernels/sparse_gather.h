@@ -73,13 +73,17 @@ __device__ __forceinline__ void scale_all(TensorX&& x, float f) {
 }
 
 // The power of two a page's keys are stored without (the file comment): the exponent of its largest scale magnitude
-// (a float >= 0; zero for a page with no token), rounded up, within [-126, 126] so that 2^-E and 2^E are normal
-// floats (an infinite scale then stays infinite in the factor, as in the reference's dequantisation).
+// (a float >= 0; zero for a page with no token), rounded up, within [kMinPageExponent, 126]: 2^E is a normal float
+// (an infinite scale stays infinite in its factor, as in the reference's dequantisation), and S's RoPE part times
+// 2^-E stays finite for any |S_rope| < 2^68 (the quantiser's smallest scale, 2^-126 for a group of zeros, would
+// otherwise put it at 2^126 times its size). A page whose scales all lie below 2^-60 (latent values below ~2^-51)
+// keeps its latent keys only to fp16's subnormal range there.
+constexpr int kMinPageExponent = -60;
 __device__ __forceinline__ int page_exponent(float max_scale) {
   const uint32_t bits = __float_as_uint(max_scale);
   const int biased = static_cast<int>(bits >> 23);
-  const int e = biased == 0 ? -126 : biased - 127 + ((bits & 0x7FFFFFu) != 0);
-  return min(max(e, -126), 126);
+  const int e = biased - 127 + ((bits & 0x7FFFFFu) != 0);
+  return min(max(e, kMinPageExponent), 126);
 }
 
 // 16 e4m3 values -> 16 fp16 values fp16(stored * c) (0..7 in lo, 8..15 in hi): exact widening (NaN stays NaN),
