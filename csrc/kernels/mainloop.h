@@ -437,7 +437,9 @@ struct SplitKvMainloop {
       if (dequantises) {
         if (unit == 0) {
           exponent = Gather::page_exponent_of(tile, WarpgroupBarrier::kUnitWidened, warpgroup,
-                                              smem.scale_max_partial[stage], &smem.page_exponent[stage][phase]);
+                                              smem.scale_max_partial[stage]);
+          // kPageB reads it after taking P_a
+          if (threadIdx.x % kWgThreads == 0) smem.page_exponent[stage][phase] = exponent;
         }
         Gather::dequantize_unit(tile, unit, WarpgroupBarrier::kUnitWidened, warpgroup, exponent);
         cutlass::arch::fence_view_async_shared();

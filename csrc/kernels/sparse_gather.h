@@ -191,10 +191,12 @@ struct SparseGather {
             Barrier::wait(&smem.raw_full[stage][v_half], pages & 1);
             if (v_half == 0) {
               exponent = page_exponent_of(tile_of(smem, stage), WarpgroupBarrier::kRawRowsRead, 0,
-                                          smem.scale_max_partial[stage], &smem.page_exponent[stage][pages & 1]);
+                                          smem.scale_max_partial[stage]);
             }
             dequantize_unit(tile_of(smem, stage), 2 * v_half, WarpgroupBarrier::kRawRowsRead, 0, exponent);
             cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+            // kPageB reads the page's exponent after unit 0's arrival
+            if (v_half == 0 && threadIdx.x % kWgThreads == 0) smem.page_exponent[stage][pages & 1] = exponent;
             Barrier::arrive(&smem.unit_full[stage][2 * v_half]);
             dequantize_unit(tile_of(smem, stage), 2 * v_half + 1, WarpgroupBarrier::kRawRowsRead, 0, exponent);
             cutlass::arch::fence_view_async_shared();
@@ -341,10 +343,9 @@ struct SparseGather {
 
   // The page's exponent (page_exponent) from its 64 rows' four scales, once the left V half's raw bytes landed and
   // before its first unit is dequantised: each lane takes the rows of its dequantisation passes, the warps' maxima
-  // meet in `partial` (4 floats of this buffer) across a warpgroup barrier. Every thread returns it; thread 0 also
-  // stores it in `out` for the S warpgroups, which read it after the unit's announcement (or the mailbox).
-  __device__ static int page_exponent_of(char* tile, WarpgroupBarrier barrier, int warpgroup, float* partial,
-                                         int* out) {
+  // meet in `partial` (4 floats of this buffer) across a warpgroup barrier. Every thread returns it; the caller's
+  // thread 0 stores it in SharedStorage::page_exponent for the other warpgroups before it announces unit 0.
+  __device__ static int page_exponent_of(char* tile, WarpgroupBarrier barrier, int warpgroup, float* partial) {
     constexpr int kPasses = kBlockN / 16;
     const int t = threadIdx.x % kWgThreads, row0 = t / 8;
     float m = 0.f;
@@ -358,9 +359,7 @@ struct SparseGather {
     if (t % 32 == 0) partial[t / 32] = m;
     warpgroup_sync(barrier, warpgroup);
     const float4 all = *reinterpret_cast<const float4*>(partial);
-    const int exponent = page_exponent(fmaxf(fmaxf(all.x, all.y), fmaxf(all.z, all.w)));
-    if (t == 0) *out = exponent;
-    return exponent;
+    return page_exponent(fmaxf(fmaxf(all.x, all.y), fmaxf(all.z, all.w)));
   }
 
   // Q's latent columns (segments 0..7 of the tile) rounded to fp16 (the RoPE segment stays bf16 for S's RoPE unit);
