@@ -276,8 +276,8 @@ struct SparseGather {
   //   row's scale pair lies in the row's own line, read by the row's eight lanes (one warp) before the __syncwarp
   //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
   // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
-  //   32 + r / 2): passes 0 and 2 loaded, a warpgroup barrier, pass 0 stored, passes 1 and 3 loaded, pass 1
-  //   stored, a barrier, passes 2 and 3 stored.
+  //   32 + r / 2): passes 0 and 2 loaded, a warpgroup barrier, pass 0 stored, pass 1 loaded and stored, pass 3
+  //   loaded, a barrier, passes 2 and 3 stored.
   // The caller fences the writes into the async proxy before it announces the unit. `exponent`: the page's
   // (page_exponent_of, before the first unit).
   __device__ static void dequantize_unit(char* tile, int unit, WarpgroupBarrier raw_read, int warpgroup,
@@ -333,8 +333,8 @@ struct SparseGather {
       warpgroup_sync(raw_read, warpgroup);    // raw rows of passes 0 and 2 read everywhere
       store(0, bytes[0], scale[0]);
       load(1);
-      load(3);
       store(1, bytes[1], scale[1]);
+      load(3);
       warpgroup_sync(raw_read, warpgroup);    // raw rows of passes 1 and 3 read everywhere
       store(2, bytes[2], scale[2]);
       store(3, bytes[3], scale[3]);
