@@ -200,29 +200,44 @@ SPARSE_OUT_TOL = 1e-2     # sparse decoding: relative L2 of out against the floa
 SPARSE_LSE_TOL = 1e-3     # and absolute error of the finite lse entries
 
 
-def sparse_bf16_key_lse_bound(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
+def sparse_fp16_key_lse_bound(q: torch.Tensor, k_cache: torch.Tensor, indices: torch.Tensor,
                               topk_length: Optional[torch.Tensor] = None,
                               softmax_scale: Optional[float] = None) -> torch.Tensor:
-    """(b, h_q, s_q): how far a row's lse may move when every dequantised latent value of its keys is rounded to
-    bf16 (what the cuda backend's kernel multiplies, as upstream's does; the cpu and triton backends keep S exact).
-    The kernel rounds a key twice (its bf16 group scale, then the product: tests/test_sparse_dequant.py), which
-    moves k by at most (2^-7 + 2^-16) |k| (one rounding: 2^-8), so score j by at most that times
-    scale * sum_d |q_d| |k_jd| (latent d), and lse, a smooth maximum of the scores, by at most the largest such move
-    over the row's keys."""
-    from .sparse_fp8 import LATENT_DIM, dequantize_kv_cache_v32
+    """(b, h_q, s_q): how far a row's lse may move in the cuda backend's kernel, which stores the latent keys of each
+    page of 64 index slots in fp16 as 2^-E times their values (E: the exponent of the page's largest scale, rounded
+    up, within [-60, 126]; tests/test_sparse_dequant.py) and rounds q's latent values to fp16. A key value is off by
+    at most (2^-10 + 2^-22) |k| + 897 * 2^-25 * 2^E (two roundings, or fp16's subnormals where its factor or the
+    product falls there), a q value by 2^-25 below fp16's normal range (exact above it: q is bf16), so score j by at
+    most scale * sum_d (|q_d| dk_jd + dq_d |k_jd|) over the latent d, and lse, a smooth maximum of the scores, by at
+    most the largest such move over the row's keys."""
+    from .sparse_fp8 import LATENT_DIM, NUM_SCALES, SCALES_OFFSET, as_bytes, dequantize_kv_cache_v32
     b, s_q, h_q, d = q.shape
     scale = d ** -0.5 if softmax_scale is None else softmax_scale
-    keys = dequantize_kv_cache_v32(k_cache.cpu()).reshape(-1, d)[:, :LATENT_DIM].abs()     # (tokens, 512)
-    qa = q.detach().cpu().float()[..., :LATENT_DIM].abs()
+    keys = dequantize_kv_cache_v32(k_cache.cpu()).reshape(-1, d)[:, :LATENT_DIM].abs().double()   # (tokens, 512)
+    raw = as_bytes(k_cache.cpu()).reshape(-1, as_bytes(k_cache).shape[-1])
+    scales = raw[:, SCALES_OFFSET:SCALES_OFFSET + 4 * NUM_SCALES].contiguous().view(torch.float32).abs()
+    page_max = scales.amax(dim=-1)                                                                # (tokens,)
+    qa = q.detach().cpu().float()[..., :LATENT_DIM].abs().double()
+    dq = torch.where(qa < 2.0 ** -14, torch.full_like(qa, 2.0 ** -25), torch.zeros_like(qa))
     idx = indices.cpu().long()
     bound = torch.zeros(b, h_q, s_q)
     for i in range(b):
         n = idx.shape[-1] if topk_length is None else max(0, min(int(topk_length[i]), idx.shape[-1]))
         for s in range(s_q):
             slots = idx[i, s, :n]
-            slots = slots[(slots >= 0) & (slots < keys.shape[0])]
-            if slots.numel():
-                bound[i, :, s] = (qa[i, s] @ keys[slots].T).amax(dim=-1) * scale * (2.0 ** -7 + 2.0 ** -16)
+            valid = (slots >= 0) & (slots < keys.shape[0])
+            if not valid.any():
+                continue
+            pos = torch.arange(n)[valid]
+            tok = slots[valid]
+            # the page exponent of every valid slot's page (64 slots of the row's index list)
+            page = pos // 64
+            m = torch.zeros(int(page.max()) + 1, dtype=torch.float32).scatter_reduce(0, page, page_max[tok], "amax")
+            e = torch.ceil(torch.log2(m.double().clamp_min(2.0 ** -149))).clamp(-60, 126)[page]     # (keys,)
+            k = keys[tok]                                                                          # (keys, 512)
+            dk = (2.0 ** -10 + 2.0 ** -22) * k + 897.0 * 2.0 ** -25 * (2.0 ** e)[:, None]
+            move = qa[i, s] @ dk.T + dq[i, s] @ k.T                                                # (h_q, keys)
+            bound[i, :, s] = (move.amax(dim=-1) * scale).float()
     return bound
 
 
@@ -230,7 +245,7 @@ def assert_sparse_close(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Ten
                         what: str = "", lse_bound: Optional[torch.Tensor] = None) -> None:
     """A sparse decoding result (out (b, s_q, h_q, 512), lse (b, h_q, s_q)) against sparse_decode_reference: out
     finite, lse neither NaN nor +inf, -inf exactly where the reference has it (rows with no valid index) and out 0
-    there, the finite lse within SPARSE_LSE_TOL (plus `lse_bound`, per row: sparse_bf16_key_lse_bound for a
+    there, the finite lse within SPARSE_LSE_TOL (plus `lse_bound`, per row: sparse_fp16_key_lse_bound for a
     backend that rounds the dequantised keys), out within SPARSE_OUT_TOL (all 0 when the reference is)."""
     out, lse = out.detach().cpu().float(), lse.detach().cpu()
     ref_out, ref_lse = ref_out.cpu().float(), ref_lse.cpu()

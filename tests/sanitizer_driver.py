@@ -127,7 +127,7 @@ def run_sparse_case(name, s_q, h_q, topk, num_blocks, backend, num_sms=None, see
     cache allocation (a read past it is out of bounds under memcheck)."""
     from flash_mla import flash_mla_with_kvcache, get_mla_metadata, quantize_kv_cache_v32, sparse_decode_reference
     from flash_mla.backends import select_sparse_backend
-    from flash_mla.testing import assert_sparse_close, make_attn_sink, sparse_bf16_key_lse_bound
+    from flash_mla.testing import assert_sparse_close, make_attn_sink, sparse_fp16_key_lse_bound
 
     g = torch.Generator().manual_seed(seed)
     b, tokens = 3, num_blocks * 64
@@ -148,7 +148,7 @@ def run_sparse_case(name, s_q, h_q, topk, num_blocks, backend, num_sms=None, see
     ref_out, ref_lse = sparse_decode_reference(q, k_cache.cpu(), indices, topk_length, attn_sink=attn_sink)
     bound = None       # the cuda kernel rounds the dequantised keys to bf16 (flash_mla.testing)
     if select_sparse_backend(out.device, backend, q.dtype, h_q) == "cuda":
-        bound = sparse_bf16_key_lse_bound(q, k_cache, indices, topk_length)
+        bound = sparse_fp16_key_lse_bound(q, k_cache, indices, topk_length)
     assert_sparse_close(out, lse, ref_out, ref_lse, name, lse_bound=bound)
     err = ((out.float().cpu() - ref_out).norm() / ref_out.norm()).item()
     print(f"ok  {name:<76} out_err={err:.1e}", flush=True)

@@ -38,7 +38,7 @@ from flash_mla.scheduler import get_mla_metadata_twin, num_sm_parts_for  # noqa:
 from flash_mla.sparse_fp8 import (  # noqa: E402
     NUM_SCALES, ROPE_OFFSET, SCALE_GROUP, SCALES_OFFSET, TOKEN_BYTES, valid_index_mask)
 from flash_mla.testing import (  # noqa: E402
-    SPARSE_OUT_TOL, assert_sparse_close, capture_cuda_graph, make_attn_sink, sparse_bf16_key_lse_bound)
+    SPARSE_OUT_TOL, assert_sparse_close, capture_cuda_graph, make_attn_sink, sparse_fp16_key_lse_bound)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HAS_TRITON_SPARSE = os.path.exists(os.path.join(ROOT, "flash_mla", "triton_sparse.py"))
@@ -174,14 +174,15 @@ def reference(batch: SparseBatch, softmax_scale=None, attn_sink=None):
 
 
 def check(batch, out, lse, softmax_scale=None, attn_sink=None, what="", backend=None):
-    """`backend` "cuda": the kernel rounds the dequantised keys to bf16, so lse may also move by the rows' bound."""
+    """`backend` "cuda": the kernel rounds the dequantised keys (and q's latent values) to fp16, so lse may also move
+    by the rows' bound."""
     b, s_q, h_q, _ = batch.q.shape
     assert out.shape == (b, s_q, h_q, 512) and out.dtype == batch.q.dtype, what
     assert lse.shape == (b, h_q, s_q) and lse.dtype == torch.float32, what
     ref_out, ref_lse = reference(batch, softmax_scale, attn_sink)
     bound = None
     if backend == "cuda":
-        bound = sparse_bf16_key_lse_bound(batch.q, batch.k_cache, batch.indices, batch.topk_length, softmax_scale)
+        bound = sparse_fp16_key_lse_bound(batch.q, batch.k_cache, batch.indices, batch.topk_length, softmax_scale)
     assert_sparse_close(out, lse, ref_out, ref_lse, what, lse_bound=bound)
     return ref_out, ref_lse
 
