@@ -349,7 +349,7 @@ struct SparseGather {
     constexpr int kPasses = kBlockN / 16;
     const int t = threadIdx.x % kWgThreads, row0 = t / 8;
     float m = 0.f;
-#pragma unroll 1
+    CUTE_UNROLL    // the four loads in flight at once: each waits behind the other warpgroups' shared-memory traffic
     for (int pass = 0; pass < kPasses; ++pass) {
       const float4 sc = *reinterpret_cast<const float4*>(scale_pair(tile, 0, row0 + 16 * pass));
       m = fmaxf(m, fmaxf(fmaxf(fabsf(sc.x), fabsf(sc.y)), fmaxf(fabsf(sc.z), fabsf(sc.w))));
