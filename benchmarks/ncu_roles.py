@@ -11,7 +11,7 @@ out of line after the kernel's last EXIT, shared by every role: they form a regi
 instructions are polls, not work). Per region: warp-state samples (each sample is one warp's state; a role whose
 warps live through the whole kernel gets samples in proportion to its warps), instructions executed, and the
 largest stall reasons as shares of the region's samples. The registers a role asked for name it (the sparse split
-kernel: kPageA 232, kPageB 216, the gather warpgroup 56; splitkv_traits.h).
+kernel: kPageA 240, kPageB 200, the gather warpgroup 64; splitkv_traits.h).
 """
 import argparse
 import csv
