@@ -10,8 +10,10 @@ before the first one, then one region per role in address order. ptxas places th
 out of line after the kernel's last EXIT, shared by every role: they form a region of their own (their
 instructions are polls, not work). Per region: warp-state samples (each sample is one warp's state; a role whose
 warps live through the whole kernel gets samples in proportion to its warps), instructions executed, and the
-largest stall reasons as shares of the region's samples. The registers a role asked for name it (the sparse split
-kernel: kPageA 240, kPageB 200, the gather warpgroup 64; splitkv_traits.h).
+largest stall reasons as shares of the region's samples, and the shared-memory wavefronts its instructions cost
+against ncu's ideal for their access pattern (bank conflicts, or global sectors a cp.async writes one by one).
+Then the instructions with the most wavefronts beyond their ideal. The registers a role asked for name it (the
+sparse split kernel: kPageA 240, kPageB 200, the gather warpgroup 64; splitkv_traits.h).
 """
 import argparse
 import csv
@@ -20,8 +22,8 @@ import re
 
 
 def load(text):
-    """(address, SASS, {stall reason: samples}, instructions executed) per instruction of an export's text, in
-    address order."""
+    """(address, SASS, {stall reason: samples}, instructions executed, (shared wavefronts, ideal)) per instruction
+    of an export's text, in address order (wavefronts 0 where the export has no such column)."""
     lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith('"Address"'))
     rows = list(csv.DictReader(io.StringIO("\n".join(lines[start:]))))
@@ -38,7 +40,8 @@ def load(text):
         if not address.startswith("0x"):
             continue
         out.append((int(address, 16), r["Source"].strip(), {k[len("stall_"):]: number(r[k]) for k in reasons},
-                    number(r.get("Instructions Executed", 0))))
+                    number(r.get("Instructions Executed", 0)),
+                    (number(r.get("L1 Wavefronts Shared", 0)), number(r.get("L1 Wavefronts Shared Ideal", 0)))))
     out.sort()
     return out
 
@@ -48,9 +51,9 @@ def regions(instructions):
     if not instructions:
         return []
     base = instructions[0][0]
-    exits = [a for a, src, _, _ in instructions if re.fullmatch(r"(@!?U?P\w+\s+)?EXIT", src)]
+    exits = [a for a, src, *_ in instructions if re.fullmatch(r"(@!?U?P\w+\s+)?EXIT", src)]
     tail = exits[-1] if exits else None
-    marks = [(a, src) for a, src, _, _ in instructions if "USETMAXREG" in src and (tail is None or a < tail)]
+    marks = [(a, src) for a, src, *_ in instructions if "USETMAXREG" in src and (tail is None or a < tail)]
     bounds = [(base, "setup")] + [(a, f"role at +0x{a - base:x} ({int(src.split()[-1], 0)} registers)")
                                   for a, src in marks]
     out = []
@@ -64,14 +67,25 @@ def regions(instructions):
 
 def summary(name, instructions, top=5):
     samples = {}
-    for _a, _src, stalls, _n in instructions:
+    for _a, _src, stalls, _n, _w in instructions:
         for reason, v in stalls.items():
             samples[reason] = samples.get(reason, 0.0) + v
     total = sum(samples.values())
-    executed = sum(n for *_rest, n in instructions)
+    executed = sum(n for _a, _src, _s, n, _w in instructions)
+    wavefronts = sum(w[0] for *_rest, w in instructions)
+    ideal = sum(w[1] for *_rest, w in instructions)
     largest = sorted(samples.items(), key=lambda kv: -kv[1])[:top]
     shares = " ".join(f"{reason} {100 * v / total:.0f}%" for reason, v in largest if total > 0)
-    return {"region": name, "samples": total, "instructions": executed, "stalls": shares}
+    return {"region": name, "samples": total, "instructions": executed, "stalls": shares, "wavefronts": wavefronts,
+            "ideal": ideal}
+
+
+def excess(instructions, top=8):
+    """[(address, SASS, executions, wavefronts per execution, ideal per execution)] of the `top` instructions with
+    the most shared-memory wavefronts beyond their ideal."""
+    rows = [(a, src, n, w[0], w[1]) for a, src, _s, n, w in instructions if n > 0 and w[0] > w[1]]
+    rows.sort(key=lambda r: -(r[3] - r[4]))
+    return [(a, src, n, wf / n, wi / n) for a, src, n, wf, wi in rows[:top]]
 
 
 def main():
@@ -79,13 +93,20 @@ def main():
     ap.add_argument("csv", help="ncu -i REPORT --page source --csv --print-source sass")
     args = ap.parse_args()
     with open(args.csv) as f:
-        rows = [summary(name, ins) for name, ins in regions(load(f.read()))]
+        instructions = load(f.read())
+    rows = [summary(name, ins) for name, ins in regions(instructions)]
     all_samples = sum(r["samples"] for r in rows) or 1.0
-    print("| region | samples (% of all) | instructions executed (M) | largest stall reasons |")
-    print("|---|---|---|---|")
+    print("| region | samples (% of all) | instructions executed (M) | shared wavefronts (M; ideal) | "
+          "largest stall reasons |")
+    print("|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['region']} | {r['samples']:.0f} ({100 * r['samples'] / all_samples:.1f}) | "
-              f"{r['instructions'] / 1e6:.1f} | {r['stalls']} |")
+              f"{r['instructions'] / 1e6:.1f} | {r['wavefronts'] / 1e6:.2f} ({r['ideal'] / 1e6:.2f}) | {r['stalls']} |")
+    print("\n| address | instruction | executions (k) | shared wavefronts each (ideal) |")
+    print("|---|---|---|---|")
+    base = instructions[0][0] if instructions else 0
+    for a, src, n, wf, wi in excess(instructions):
+        print(f"| +0x{a - base:x} | `{src[:60]}` | {n / 1e3:.0f} | {wf:.1f} ({wi:.1f}) |")
 
 
 if __name__ == "__main__":

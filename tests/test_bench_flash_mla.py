@@ -327,22 +327,31 @@ def test_ncu_row_keeps_known_metrics_and_launch_attributes():
 
 def test_ncu_roles_splits_at_setmaxnreg_and_the_last_exit():
     import ncu_roles
-    header = '"Address","Source","Instructions Executed","stall_long_sb","stall_wait","stall_wait (Not Issued)"'
-    rows = [("0x100", "S2R R0, SR_TID.X", 10, 1, 0), ("0x110", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8", 4, 0, 0),
-            ("0x120", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR12], RZ", 100, 30, 10), ("0x130", "EXIT", 4, 0, 0),
-            ("0x140", "USETMAXREG.DEALLOC.CTAPOOL 0x38", 4, 0, 0),
-            ("0x150", "LDGSTS.E.BYPASS.128 [R1], [R2]", 50, 5, 15),
-            ("0x160", "EXIT", 4, 0, 0), ("0x170", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", 1000, 0, 1)]
+    header = ('"Address","Source","Instructions Executed","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal",'
+              '"stall_long_sb","stall_wait","stall_wait (Not Issued)"')
+    rows = [("0x100", "S2R R0, SR_TID.X", 10, 0, 0, 1, 0),
+            ("0x110", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8", 4, 0, 0, 0, 0),
+            ("0x120", "HGMMA.64x64x16.F32.BF16 R152, gdesc[UR12], RZ", 100, 800, 800, 30, 10),
+            ("0x130", "EXIT", 4, 0, 0, 0, 0), ("0x140", "USETMAXREG.DEALLOC.CTAPOOL 0x38", 4, 0, 0, 0, 0),
+            ("0x150", "LDGSTS.E.BYPASS.128 [R1], [R2]", 50, 525, 200, 5, 15),
+            ("0x158", "LDS.64 R4, [R5]", 20, 80, 40, 0, 0),
+            ("0x160", "EXIT", 4, 0, 0, 0, 0),
+            ("0x170", "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R1], R2", 1000, 0, 0, 0, 1)]
     text = '"Kernel Name","k"\n' + header + "\n" + "\n".join(
-        f'"{a}","{src}","{n}","{lsb}","{w}","0"' for a, src, n, lsb, w in rows) + "\n"
+        f'"{a}","{src}","{n}","{wf}","{wi}","{lsb}","{w}","0"' for a, src, n, wf, wi, lsb, w in rows) + "\n"
     got = [(name, len(ins), ncu_roles.summary(name, ins)) for name, ins in ncu_roles.regions(ncu_roles.load(text))]
     assert [(name, count) for name, count, _s in got] == [
-        ("setup", 1), ("role at +0x10 (232 registers)", 3), ("role at +0x40 (56 registers)", 3),
+        ("setup", 1), ("role at +0x10 (232 registers)", 3), ("role at +0x40 (56 registers)", 4),
         ("after the last EXIT (mbarrier wait retries)", 1)]
     role_a, gather, retries = got[1][2], got[2][2], got[3][2]
     assert role_a["instructions"] == 108 and role_a["samples"] == 40 and role_a["stalls"].startswith("long_sb 75%")
+    assert (role_a["wavefronts"], role_a["ideal"]) == (800, 800)
     assert gather["samples"] == 20 and gather["stalls"].startswith("wait 75%")
+    assert (gather["wavefronts"], gather["ideal"]) == (605, 240)
     assert retries["instructions"] == 1000
+    # the instructions beyond their ideal, the largest excess first, per execution
+    assert ncu_roles.excess(ncu_roles.load(text)) == [(0x150, "LDGSTS.E.BYPASS.128 [R1], [R2]", 50, 10.5, 4.0),
+                                                     (0x158, "LDS.64 R4, [R5]", 20, 4.0, 2.0)]
 
 
 # ------------------------------------------------------------------------------------------------------------------
