@@ -383,3 +383,19 @@ def test_sparse_locality_patterns(pattern):
     if pattern == "sorted":     # the same draw as random, in pool order
         rnd, _ = sparse_locality.make_indices("random", b, s_q, topk, torch.Generator().manual_seed(5), page, pool)
         assert torch.equal(torch.sort(idx, dim=-1).values, torch.sort(rnd, dim=-1).values)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# benchmarks/plan_policy.py --sparse: each query token's indices are distinct tokens of its own row's pool
+
+
+def test_plan_policy_sparse_indices():
+    import plan_policy
+    b, s_q, topk, pool = 3, 2, 40, 64
+    idx = plan_policy.sparse_indices(b, s_q, topk, pool, torch.Generator().manual_seed(3))
+    assert idx.shape == (b, s_q, topk) and idx.dtype == torch.int32
+    for i in range(b):
+        for s in range(s_q):
+            row = idx[i, s].tolist()
+            assert len(set(row)) == topk and all(i * pool <= x < (i + 1) * pool for x in row)
+    assert not torch.equal(idx[0, 0], idx[0, 1])      # each query token draws its own set
