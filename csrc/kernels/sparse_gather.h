@@ -7,7 +7,7 @@
 // buffer in the FP8 cache's unit layout (splitkv_traits.h), by V half: V half v (latent units 2 v and 2 v + 1,
 // columns 256 v .. 256 v + 255, scale groups 2 v and 2 v + 1) as 256 raw bytes per row packed into the segments
 // of its second unit (raw_row), the row's two scales at the start of its line in the first unit's second segment
-// (scale_pair); the dequantisation turns both units into bf16 rows in place (dequantize_unit says in which order).
+// (scale_pair); the dequantisation turns both units into fp16 rows in place (dequantize_unit says in which order).
 // The RoPE unit goes straight into segment 8 in its swizzled bf16 layout. Slots that name no token are zero-filled
 // (latent, scales and RoPE): their V rows are zero and S masks them through key_valid, so whatever the cache holds
 // elsewhere never enters the result.
@@ -268,7 +268,7 @@ struct SparseGather {
     cutlass::arch::cpasync_barrier_arrive_noinc(raw);
   }
 
-  // Dequantises latent unit `unit` of `tile` (after its V half's mbarrier) into the bf16 rows of its two segments.
+  // Dequantises latent unit `unit` of `tile` (after its V half's mbarrier) into the fp16 rows of its two segments.
   // The mapping is the FP8 cache's widen_unit (mainloop.h): lane group t / 8 owns rows t / 8 + 16 pass, lane t % 8
   // its 16-byte chunk i of the unit's 128 raw bytes of the row, which becomes chunks 2 (i % 4), 2 (i % 4) + 1 of
   // segment 2 u + i / 4.
