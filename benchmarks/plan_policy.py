@@ -66,34 +66,44 @@ def sparse_indices(b, s_q, topk, pool, generator):
     return (rows * pool + pos).view(b, s_q, topk).to(torch.int32)
 
 
-def time_workload(name, lens, s_q, h_q, floors, num_sms):
-    """[(name, floor, pieces, seconds)] of one workload under each payload floor, each checked first."""
-    batch = make_decode_batch(lens, s_q=s_q, h_q=h_q, device="cuda", causal=True,
-                              generator=torch.Generator().manual_seed(sum(lens) + h_q))
-    ref = reference_for(batch, on_device=True)
-    page_bytes = batch.k_cache[0].numel() * batch.k_cache.element_size()
-    copies = max(1, min(8, math.ceil(COPIES_BYTES / (batch.k_cache.shape[0] * page_bytes))))
-    caches = [batch.k_cache] + [batch.k_cache.clone() for _ in range(copies - 1)]
-    _, nbytes = decode_flops_and_bytes(lens, s_q, h_q, 1)
-    parts = num_sm_parts_for(num_sms, s_q * h_q, 1)
+def time_floors(name, lens, parts, floors, cache, nbytes, decode, check):
+    """[(name, floor, pieces, seconds)] of one workload under each payload floor: the scheduler twin's plan for
+    `lens` over `parts` SM parts, `decode(k_cache, md, ns)` checked first by `check(out, lse, what)`, then timed
+    over enough copies of `cache` that L2 cannot hold them (`nbytes`: the bytes a call reads, for GB/s)."""
+    copies = max(1, min(8, math.ceil(COPIES_BYTES / (cache.numel() * cache.element_size()))))
+    caches = [cache] + [cache.clone() for _ in range(copies - 1)]
     rows, base = [], None
     for floor in floors:
         meta, splits = schedule(lens, parts, min_payload=floor)
         md = torch.tensor(meta, dtype=torch.int32, device="cuda")
         ns = torch.tensor(splits, dtype=torch.int32, device="cuda")
         pieces = max(splits[i + 1] - splits[i] for i in range(len(lens)))
-
-        def call(k_cache, md=md, ns=ns):
-            return flash_mla.flash_mla_with_kvcache(batch.q, k_cache, batch.block_table, batch.cache_seqlens,
-                                                    512, md, ns, causal=True)
-
-        assert_close(compare(*call(batch.k_cache), *ref), torch.bfloat16, f"{name} floor={floor}")
-        seconds = cuda_graph_median_seconds([lambda k=k: call(k) for k in caches * max(1, 8 // copies)], reps=12)
+        check(*decode(cache, md, ns), f"{name} floor={floor}")
+        seconds = cuda_graph_median_seconds([lambda k=k, md=md, ns=ns: decode(k, md, ns)
+                                             for k in caches * max(1, 8 // copies)], reps=12)
         base = base or seconds
         rows.append((name, floor, pieces, seconds))
         print(f"{name:<22} {floor:>5} {pieces:>6} {seconds * 1e6:>8.1f} {nbytes / seconds / 1e9:>6.0f} "
               f"{seconds / base:>6.3f}", flush=True)
     return rows
+
+
+def time_workload(name, lens, s_q, h_q, floors, num_sms):
+    """[(name, floor, pieces, seconds)] of one bf16 workload under each payload floor, each checked first."""
+    batch = make_decode_batch(lens, s_q=s_q, h_q=h_q, device="cuda", causal=True,
+                              generator=torch.Generator().manual_seed(sum(lens) + h_q))
+    ref = reference_for(batch, on_device=True)
+    _, nbytes = decode_flops_and_bytes(lens, s_q, h_q, 1)
+
+    def decode(k_cache, md, ns):
+        return flash_mla.flash_mla_with_kvcache(batch.q, k_cache, batch.block_table, batch.cache_seqlens, 512, md,
+                                                ns, causal=True)
+
+    def check(out, lse, what):
+        assert_close(compare(out, lse, *ref), torch.bfloat16, what)
+
+    return time_floors(name, lens, num_sm_parts_for(num_sms, s_q * h_q, 1), floors, batch.k_cache, nbytes, decode,
+                       check)
 
 
 def time_sparse_workload(name, b, s_q, h_q, floors, num_sms):
@@ -105,28 +115,17 @@ def time_sparse_workload(name, b, s_q, h_q, floors, num_sms):
     q = (torch.randn(b, s_q, h_q, 576, generator=g, device="cuda") / 4).to(torch.bfloat16)
     ref = sparse_decode_reference(q, cache, idx)
     bound = sparse_fp16_key_lse_bound(q, cache, idx)
-    copies = max(1, min(8, math.ceil(COPIES_BYTES / cache.numel())))
-    caches = [cache] + [cache.clone() for _ in range(copies - 1)]
     nbytes = b * s_q * SPARSE_TOPK * 656
-    parts = num_sm_parts_for(num_sms, s_q * h_q, 1)
-    rows, base = [], None
-    for floor in floors:
-        meta, splits = schedule([SPARSE_TOPK] * b, parts, min_payload=floor)
-        md = torch.tensor(meta, dtype=torch.int32, device="cuda")
-        ns = torch.tensor(splits, dtype=torch.int32, device="cuda")
-        pieces = max(splits[i + 1] - splits[i] for i in range(b))
 
-        def call(k_cache, md=md, ns=ns):
-            return flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, md, ns, is_fp8_kvcache=True,
-                                                    indices=idx)
+    def decode(k_cache, md, ns):
+        return flash_mla.flash_mla_with_kvcache(q, k_cache, None, None, 512, md, ns, is_fp8_kvcache=True,
+                                                indices=idx)
 
-        assert_sparse_close(*call(cache), *ref, f"{name} floor={floor}", lse_bound=bound)
-        seconds = cuda_graph_median_seconds([lambda k=k: call(k) for k in caches * max(1, 8 // copies)], reps=12)
-        base = base or seconds
-        rows.append((name, floor, pieces, seconds))
-        print(f"{name:<22} {floor:>5} {pieces:>6} {seconds * 1e6:>8.1f} {nbytes / seconds / 1e9:>6.0f} "
-              f"{seconds / base:>6.3f}", flush=True)
-    return rows
+    def check(out, lse, what):
+        assert_sparse_close(out, lse, *ref, what, lse_bound=bound)
+
+    return time_floors(name, [SPARSE_TOPK] * b, num_sm_parts_for(num_sms, s_q * h_q, 1), floors, cache, nbytes,
+                       decode, check)
 
 
 def main():
@@ -147,14 +146,10 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}  {kind} h_kv=1  num_sms={num_sms}")
     print(f"{'workload':<22} {'floor':>5} {'pieces':>6} {'time_us':>8} {'GB/s':>6} {'vs_0':>6}")
     rows = []
-    if args.sparse:
-        for name, b, s_q, h_q in SPARSE_WORKLOADS:
-            if not args.only or args.only in name:
-                rows += time_sparse_workload(name, b, s_q, h_q, floors, num_sms)
-                torch.cuda.empty_cache()
-    for name, lens, s_q, h_q in ([] if args.sparse else WORKLOADS):
+    timer, workloads = (time_sparse_workload, SPARSE_WORKLOADS) if args.sparse else (time_workload, WORKLOADS)
+    for name, lens_or_b, s_q, h_q in workloads:
         if not args.only or args.only in name:
-            rows += time_workload(name, lens, s_q, h_q, floors, num_sms)
+            rows += timer(name, lens_or_b, s_q, h_q, floors, num_sms)
             torch.cuda.empty_cache()
     if args.csv:
         with open(args.csv, "w") as f:
