@@ -6,8 +6,9 @@
 // scales (one per 128 values: true value = stored * scale) and 64 bf16 RoPE values. Its bytes land in a page
 // buffer in the FP8 cache's unit layout (splitkv_traits.h), by V half: V half v (latent units 2 v and 2 v + 1,
 // columns 256 v .. 256 v + 255, scale groups 2 v and 2 v + 1) as 256 raw bytes per row packed into the segments
-// of its second unit (raw_row), the row's two scales at the start of its line in the first unit's second segment
-// (scale_pair); the dequantisation turns both units into fp16 rows in place (dequantize_unit says in which order).
+// of its second unit (raw_row, chunks bank-spread by raw_chunk), the row's scales in its line of the first unit's
+// second segment (scale_pair); the dequantisation turns both units into fp16 rows in place (dequantize_unit says in
+// which order).
 // The RoPE unit goes straight into segment 8 in its swizzled bf16 layout. Slots that name no token are zero-filled
 // (latent, scales and RoPE): their V rows are zero and S masks them through key_valid, so whatever the cache holds
 // elsewhere never enters the result.
@@ -121,13 +122,21 @@ struct SparseGather {
 
   // A V half v (latent units 2 v and 2 v + 1, columns 256 v .. 256 v + 255) travels as 256 raw bytes per row:
   // raw row r at byte 256 r of the half's second unit's segments, which that unit's dequantisation overwrites
-  // in place last. The row's two scales (8 bytes) land at the start of its line in the first unit's second
-  // segment, which the first unit's dequantisation overwrites after reading them.
+  // in place last. The row's scales land in its line of the first unit's second segment, which the first unit's
+  // dequantisation overwrites after reading them.
+  // Bank spread: rows start 256 (raw) or 128 (scales) bytes apart, i.e. on the same bank, and a warp's loads
+  // take four rows at once. So a raw row's 16-byte chunk c sits at slot (c % 8) ^ 4 (r % 2) of its 128-byte half
+  // (with the lanes' half-swapped 8-byte loads, an even and an odd row together cover all 32 banks), and row r's
+  // scales, and the second scale the first unit stashes for the second, at the row's 16-byte slot r % 8.
   __device__ static char* raw_row(char* tile, int v_half, int row) {
     return tile + Traits::first_segment(2 * v_half + 1) * kSegmentBytes + row * 256;
   }
+  __device__ static int raw_chunk(int row, int chunk) { return chunk / 8 * 128 + ((chunk % 8) ^ (row % 2 * 4)) * 16; }
+  __device__ static float* scale_stash(char* tile, int v_half, int row) {
+    return reinterpret_cast<float*>(raw_row(tile, v_half, row) + row % 8 * 16);
+  }
   __device__ static char* scale_pair(char* tile, int v_half, int row) {
-    return tile + (Traits::first_segment(2 * v_half) + 1) * kSegmentBytes + row * 128;
+    return tile + (Traits::first_segment(2 * v_half) + 1) * kSegmentBytes + row * 128 + row % 8 * 16;
   }
 
   using SharedStorage = typename Traits::SharedStorage;
@@ -253,7 +262,7 @@ struct SparseGather {
     for (int i = 0; i < 8; ++i) {
       const int r = 2 * i + lane / 16;
       const int row_token = __shfl_sync(0xffffffffu, token, 2 * r);
-      cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + lane % 16 * 16,
+      cp_async_16_zfill(raw_row(tile, v_half, warp_row0 + r) + raw_chunk(warp_row0 + r, lane % 16),
                         token_bytes(p, row_token) + v_half * 256 + lane % 16 * 16, names_token(p, row_token));
     }
     if (t % 2 == 1) {    // the left half brings all four scales (the page's exponent needs them), the right its two
@@ -274,7 +283,8 @@ struct SparseGather {
   // segment 2 u + i / 4.
   // - The half's first unit reads the first 128 bytes of each raw row and writes segments that hold no raw row; a
   //   row's scale pair lies in the row's own line, read by the row's eight lanes (one warp) before the __syncwarp
-  //   that precedes the stores; the pair's second scale then goes into the raw row's first 4 bytes (read already).
+  //   that precedes the stores; the pair's second scale then goes into the raw row's first 128 bytes (read
+  //   already; scale_stash).
   // - The second unit writes over the raw rows themselves, across warps (row r's lines hold raw rows r / 2 and
   //   32 + r / 2): passes 0 and 2 loaded, a warpgroup barrier, pass 0 stored, pass 1 loaded and stored, pass 3
   //   loaded, a barrier, passes 2 and 3 stored.
@@ -305,7 +315,7 @@ struct SparseGather {
         CUTE_UNROLL
         for (int k = 0; k < kPassesAtOnce; ++k) {
           const int row = row0 + 16 * (pass0 + k);
-          const char* chunk = raw_row(tile, v_half, row) + i * 16;    // the chunk's half stored first, then the other
+          const char* chunk = raw_row(tile, v_half, row) + raw_chunk(row, i);    // the half stored first, then the rest
           bytes[k] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
           scales[k] = *reinterpret_cast<const float2*>(scale_pair(tile, v_half, row));
         }
@@ -313,7 +323,7 @@ struct SparseGather {
         CUTE_UNROLL
         for (int k = 0; k < kPassesAtOnce; ++k) {
           store(pass0 + k, bytes[k], scales[k].x);
-          if (i == 0) *reinterpret_cast<float*>(raw_row(tile, v_half, row0 + 16 * (pass0 + k))) = scales[k].y;
+          if (i == 0) *scale_stash(tile, v_half, row0 + 16 * (pass0 + k)) = scales[k].y;
         }
       }
     } else {
@@ -321,10 +331,10 @@ struct SparseGather {
       uint4 bytes[kPasses];
       float scale[kPasses];
       auto load = [&](int pass) {
-        const char* row_bytes = raw_row(tile, v_half, row0 + 16 * pass);
-        const char* chunk = row_bytes + 128 + i * 16;
+        const int row = row0 + 16 * pass;
+        const char* chunk = raw_row(tile, v_half, row) + raw_chunk(row, 8 + i);
         bytes[pass] = load_halves(chunk + 8 * first, chunk + 8 * (1 - first));
-        scale[pass] = *reinterpret_cast<const float*>(row_bytes);
+        scale[pass] = *scale_stash(tile, v_half, row);
       };
       // Output rows [0, 32) (passes 0, 1) overwrite the raw rows passes 0 and 2 read, rows [32, 64) those of passes
       // 1 and 3: two rounds, each after a warpgroup barrier, hold fewer raw chunks in registers than all four.
