@@ -8,19 +8,32 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-// Barriers inside one warpgroup (128 threads); ids are this value + the warpgroup's index.
+// Barriers inside one warpgroup (128 threads): value + the warpgroup's index is the id given to cutlass's
+// NamedBarrier, which adds its reserved count (8), so the hardware barriers are 10, 11 / 12 / 14, 15.
 enum class WarpgroupBarrier : uint32_t {
-  kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (ids 2, 3)
-  kUnitWidened = 6,       // FP8 cache: the warpgroup widened a page unit for its S (ids 6, 7)
-  kRawRowsRead = 10,      // sparse: the gather warpgroup read the raw rows it overwrites next (one id: 10)
+  kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (2, 3)
+  kRawRowsRead = 4,       // sparse: the gather warpgroup read the raw rows it overwrites next (one: 4)
+  kUnitWidened = 6,       // FP8 cache and sparse: the warpgroup widened or dequantised a page unit for its S (6, 7)
 };
 
-// Barriers of both computing warpgroups (256 threads).
+// Barriers of both computing warpgroups (256 threads), hardware ids (bar.sync directly).
 enum class CtaBarrier : uint32_t {
   kQWidened = 8,          // FP8-cache kernel: the Q tile is fp16 in shared memory (after an e4m3 or bf16 q)
 };
 
 constexpr uint32_t kWarpgroupBarrierThreads = 128;
+// The hardware id of a warpgroup barrier. bar.sync takes 0..15 (0: __syncthreads); ptxas accepted 18 without a
+// word (and used 2) before these were checked.
+constexpr uint32_t hardware_barrier(WarpgroupBarrier barrier, int warpgroup) {
+  return cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + static_cast<uint32_t>(barrier) + warpgroup;
+}
+static_assert(static_cast<uint32_t>(CtaBarrier::kQWidened) <
+                  hardware_barrier(WarpgroupBarrier::kTailRowsZeroed, 0), "one event per barrier id");
+static_assert(hardware_barrier(WarpgroupBarrier::kTailRowsZeroed, 1) <
+                  hardware_barrier(WarpgroupBarrier::kRawRowsRead, 0), "one event per barrier id");
+static_assert(hardware_barrier(WarpgroupBarrier::kRawRowsRead, 0) <
+                  hardware_barrier(WarpgroupBarrier::kUnitWidened, 0), "one event per barrier id");
+static_assert(hardware_barrier(WarpgroupBarrier::kUnitWidened, 1) < 16, "bar.sync ids are 0..15");
 
 __device__ __forceinline__ void warpgroup_sync(WarpgroupBarrier barrier, int warpgroup) {
   cutlass::arch::NamedBarrier::sync(kWarpgroupBarrierThreads, static_cast<uint32_t>(barrier) + warpgroup);
