@@ -144,9 +144,7 @@ def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_hea
             _validation._Checker("get_mla_metadata").fail(
                 ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // "
                 "num_heads_k // ceil(num_heads_per_head_k / 64))", num_sms)
-        if min_payload:     # (an extension built before the floor takes four arguments: dense plans still run)
-            return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
-        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms)
+        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         # the twin reads the lengths on the host: a copy that capture forbids (CUDA's own error would not say why)
         raise RuntimeError("get_mla_metadata: cannot plan while a CUDA graph is being captured without the CUDA "
