@@ -10,11 +10,12 @@ FIXED_OVERHEAD included) leaves the trailing parts empty instead. This script ti
 floor, timed like the referee (one CUDA graph of N calls walking N copies of the cache so L2 does not serve it,
 metadata from the scheduler twin outside the timed region, median of replays), after checking each policy's
 result against the float32 reference. One row per (workload, floor): pieces of the longest-cut sequence, median
-time, GB/s and the time relative to the current policy (floor 0).
+time, GB/s and the time relative to floor 0 (SPEC.md's rule, the dense policy).
 
 --sparse does the same for sparse FP8 decoding (indices over a 656-byte-per-token cache; each batch row's length
-for the plan is topk, 32 index pages of 64 slots): at b = 1, h_q 128, s_q 1 the plan gives each of 32 SM parts a
-single page (floor 7: two pages, 16 parts).
+for the plan is topk, 32 index pages of 64 slots): at b = 1, h_q 128, s_q 1 the SPEC rule gives each of 32 SM parts
+a single page, floor 7 two pages to each of 16 parts. flash_mla's sparse plans use floor 7 (SPARSE_MIN_PAYLOAD in
+flash_mla/_geometry.py; docs/PERF.md "Scheduler" has the measurement), so there its policy is the floor-7 row.
 """
 import argparse
 import math

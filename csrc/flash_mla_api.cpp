@@ -27,8 +27,10 @@ int num_sm_parts_for(int num_sms, int num_heads_per_head_k, int num_heads_k) {
   return std::max(num_sms / num_heads_k / tiles, 1);
 }
 
+// min_payload: floor on each SM part's payload, in pages (0: SPEC.md's rule, the dense plan; sparse plans pass
+// flash_mla/_geometry.py's SPARSE_MIN_PAYLOAD).
 std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_heads_per_head_k,
-                                         int64_t num_heads_k, int64_t num_sms) {
+                                         int64_t num_heads_k, int64_t num_sms, int64_t min_payload) {
   TORCH_CHECK(seqlens.is_cuda(), "cache_seqlens: expected a CUDA tensor, got one on ", seqlens.device());
   CHECK_DTYPE(seqlens, at::kInt);
   TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ", seqlens.sizes());
@@ -37,6 +39,8 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
   // num_sm_parts_for takes int: a larger value would wrap (to 0: a division by zero on the host).
   TORCH_CHECK(num_heads_per_head_k <= INT32_MAX && num_heads_k <= INT32_MAX && num_sms <= INT32_MAX,
               "num_heads_per_head_k, num_heads_k, num_sms: expected < 2^31, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
+  TORCH_CHECK(min_payload >= 0 && min_payload <= INT32_MAX, "min_payload: expected an int in [0, 2^31), got ",
+              min_payload);
   const int parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k);
   TORCH_CHECK(parts <= kMaxSmParts, "num_sms: at most ", kMaxSmParts, " SM parts are supported, got ", parts);
   const c10::cuda::CUDAGuard guard(seqlens.device());
@@ -47,7 +51,7 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
   at::Tensor num_splits = at::empty({batch + 1}, opts);
   at::Tensor cost_prefix = at::empty({batch + 1}, opts);
   MetadataParams p{seqlens_c.data_ptr<int32_t>(), metadata.data_ptr<int32_t>(), num_splits.data_ptr<int32_t>(),
-                   cost_prefix.data_ptr<int32_t>(), batch, parts};
+                   cost_prefix.data_ptr<int32_t>(), batch, parts, static_cast<int>(min_payload)};
   launch_mla_metadata(p, at::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {metadata, num_splits};
@@ -283,7 +287,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("variant") = FLASH_MLA_VARIANT_NAME;    // kernels/variant.h: this build's inner namespace
   m.def("get_mla_metadata", &flash_mla::get_mla_metadata, "Tile scheduler on the device",
         pybind11::arg("cache_seqlens"), pybind11::arg("num_heads_per_head_k"), pybind11::arg("num_heads_k"),
-        pybind11::arg("num_sms"));
+        pybind11::arg("num_sms"), pybind11::arg("min_payload") = 0);
   m.def("mla_decode", &flash_mla::mla_decode, "Split-KV MLA decoding + combine", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("block_table"), pybind11::arg("cache_seqlens"),
         pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),

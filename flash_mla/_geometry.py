@@ -8,5 +8,11 @@ HEAD_DIM_V = 512           # V is the first 512 columns of the cache
 PAGE_BLOCK_SIZE = 64       # tokens per KV-cache page, also the scheduler's unit of work
 METADATA_WIDTH = 8         # int32 words per SM part in tile_scheduler_metadata
 FIXED_OVERHEAD = 5         # scheduler cost of one sequence piece, in pages (reading Q, writing out, combining)
+# Payload floor of sparse FP8 plans (flash_mla_with_kvcache(..., indices=...)), in pages, FIXED_OVERHEAD included:
+# each SM part gets room for a pair of pages besides one piece's fixed cost. The sparse Hopper kernel works on
+# pages in pairs, one to each of its two computing warpgroups, so a part holding a one-page piece leaves one of them
+# idle while it pays a piece's costs (Q load, fp32 partial write, combine). Dense plans keep SPEC.md's rule (no
+# floor); docs/PERF.md "Scheduler" has the measurement.
+SPARSE_MIN_PAYLOAD = FIXED_OVERHEAD + 2
 ROWS_PER_TILE = 64         # query rows one CTA processes (the WGMMA M dimension)
 DEFAULT_SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5

@@ -7,14 +7,14 @@ scales live in the cache), ValueError for a wrong shape, device, stride or value
 `check_sparse_decode_args` reads no tensor data (no host sync). The value checks read it:
 `check_sparse_decode_values` (indices within the cache or -1, 0 <= topk_length[i] <= topk) runs on every call with
 CPU tensors and, for CUDA tensors, only in debug mode (FLASH_MLA_DEBUG=1), as does `check_sparse_plan_values`
-(the plan is get_mla_metadata's for full(topk) or for topk_length).
+(the plan is get_mla_metadata's for full(topk) or for topk_length, with the sparse payload floor).
 """
 from __future__ import annotations
 
 
 import torch
 
-from ._geometry import HEAD_DIM_V, METADATA_WIDTH
+from ._geometry import HEAD_DIM_V, METADATA_WIDTH, SPARSE_MIN_PAYLOAD
 from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker, check_q, check_scale_causal_sink
 from .scheduler import schedule
 from .sparse_fp8 import CACHE_DTYPES, TOKEN_BYTES, num_cache_tokens
@@ -126,16 +126,17 @@ def check_sparse_decode_values(k_cache, indices, topk_length, fn: str = "flash_m
 
 def check_sparse_plan_values(indices, topk_length, tile_scheduler_metadata, num_splits,
                              fn: str = "flash_mla_with_kvcache") -> None:
-    """Debug mode: the plan is what get_mla_metadata gives for these rows (same number of SM parts), planned on
-    full(topk) (the classic form) or on topk_length (the lazy form). Reads the tensors."""
+    """Debug mode: the plan is what get_mla_metadata gives for these rows (same number of SM parts, the sparse
+    payload floor SPARSE_MIN_PAYLOAD), planned on full(topk) (the classic form) or on topk_length (the lazy form).
+    Reads the tensors."""
     b, _, topk = indices.shape
     parts = tile_scheduler_metadata.shape[0]
     got = (tile_scheduler_metadata.tolist(), num_splits.tolist())
     candidates = [[topk] * b] + ([topk_length.tolist()] if topk_length is not None else [])
     for lengths in candidates:
-        if got == tuple(schedule(lengths, parts)):
+        if got == tuple(schedule(lengths, parts, min_payload=SPARSE_MIN_PAYLOAD)):
             return
-    _, expected_ns = schedule(candidates[-1], parts)
+    _, expected_ns = schedule(candidates[-1], parts, min_payload=SPARSE_MIN_PAYLOAD)
     what = "topk_length" if topk_length is not None else f"full(topk = {topk})"
     _Checker(fn).fail(ValueError, "tile_scheduler_metadata", f"the get_mla_metadata plan of these rows "
                       f"({what}: num_splits {expected_ns}, {parts} x {METADATA_WIDTH} metadata; from another step "

@@ -89,7 +89,8 @@ class _Checker:
                       f"strides {t.stride()}, data_ptr % 16 = {t.data_ptr() % VECTOR_BYTES}")
 
 
-def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q=None) -> None:
+def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q=None,
+                        min_payload=0) -> None:
     c = _Checker("get_mla_metadata")
     c.tensor("cache_seqlens", cache_seqlens)
     c.dtype("cache_seqlens", cache_seqlens, torch.int32)
@@ -101,6 +102,7 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_he
                f"a tensor on {cache_seqlens.device}")
     c.integer("num_heads_per_head_k", num_heads_per_head_k, 1)
     c.integer("num_heads_k", num_heads_k, 1)
+    c.integer("min_payload", min_payload, 0)      # the payload floor (the op's argument; sparse plans set it)
     if num_heads_q is not None:   # optional (upstream's engines pass it); the plan does not need it
         c.integer("num_heads_q", num_heads_q, 1)
         if num_heads_q % num_heads_k or (num_heads_per_head_k * num_heads_k) % num_heads_q:

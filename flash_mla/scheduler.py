@@ -5,6 +5,9 @@ CUDA metadata kernel is checked against bit for bit, and the scheduler the CPU b
 
 Work unit: one 64-token page ("block") of one sequence. Every piece of a sequence a part takes also costs
 ``FIXED_OVERHEAD`` block-equivalents (reading Q, writing the output, combining).
+
+Sparse FP8 plans add a floor on each part's payload, ``SPARSE_MIN_PAYLOAD`` (flash_mla/_geometry.py says why; the
+rule is written in docs/PERF.md "Scheduler"): the ``min_payload`` argument here and in the CUDA kernel.
 """
 from __future__ import annotations
 
@@ -45,7 +48,10 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int,
              min_payload: int = 0) -> Tuple[List[List[int]], List[int]]:
     """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists.
 
-    min_payload (experiment hook, benchmarks/plan_policy.py): a floor on each part's payload, in blocks."""
+    min_payload: a floor on each part's payload, in blocks (FIXED_OVERHEAD included):
+    payload = max(ceil(total / num_sm_parts) + FIXED_OVERHEAD, min_payload). 0 (no floor) is SPEC.md's rule, the
+    dense plan; sparse plans pass SPARSE_MIN_PAYLOAD; benchmarks/plan_policy.py times other floors. A floor that
+    binds leaves the trailing parts without work (begin_seq = b)."""
     b = len(seqlens)
     if b == 0:
         raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
@@ -86,10 +92,11 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int,
 
 
 def get_mla_metadata_twin(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
-                          num_sms: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The scheduler's tensors, exactly as the CUDA metadata kernel returns them (on cache_seqlens.device)."""
+                          num_sms: int, min_payload: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The scheduler's tensors, exactly as the CUDA metadata kernel returns them (on cache_seqlens.device);
+    min_payload: the payload floor (see `schedule`; SPARSE_MIN_PAYLOAD for sparse plans)."""
     parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k)
-    metadata, num_splits = schedule(cache_seqlens.tolist(), parts)
+    metadata, num_splits = schedule(cache_seqlens.tolist(), parts, min_payload)
     dev = cache_seqlens.device
     return (torch.tensor(metadata, dtype=torch.int32, device=dev).reshape(parts, METADATA_WIDTH),
             torch.tensor(num_splits, dtype=torch.int32, device=dev))

@@ -104,6 +104,23 @@ def test_ops_validate_their_arguments():
         torch.ops.flash_mla.get_mla_metadata(batch.cache_seqlens, 32, 1, -3)
 
 
+def test_metadata_op_carries_the_payload_floor():
+    """min_payload (trailing, default 0) reaches the scheduler and is checked: b = 1, 2048 tokens, 128 rows on 132
+    SMs (66 parts) gives 32 one-page pieces without a floor and 16 two-page ones with the sparse floor 7."""
+    from flash_mla._geometry import SPARSE_MIN_PAYLOAD
+    from flash_mla.scheduler import schedule
+    schema = str(torch.ops.flash_mla.get_mla_metadata.default._schema)
+    assert re.search(r"\w+ num_sms, \w+ min_payload=0\) -> \(Tensor, Tensor\)$", schema), schema
+    lens = torch.tensor([2048], dtype=torch.int32)
+    md, ns = torch.ops.flash_mla.get_mla_metadata(lens, 128, 1, 132, SPARSE_MIN_PAYLOAD)
+    assert ns.tolist() == [0, 16] and (md.tolist(), ns.tolist()) == schedule([2048], 66, min_payload=7)
+    md0, ns0 = torch.ops.flash_mla.get_mla_metadata(lens, 128, 1, 132)
+    assert ns0.tolist() == [0, 32] and (md0.tolist(), ns0.tolist()) == schedule([2048], 66)
+    with pytest.raises(ValueError, match=r"^get_mla_metadata: min_payload: expected an int >= 0, got -1"):
+        torch.ops.flash_mla.get_mla_metadata(lens, 128, 1, 132, -1)
+    torch.library.opcheck(torch.ops.flash_mla.get_mla_metadata.default, (lens, 128, 1, 132, SPARSE_MIN_PAYLOAD))
+
+
 OPCHECK_CASES = [  # seqlens, s_q, h_q, h_kv, dtype
     ([5, 70, 0, 130], 2, 16, 1, torch.bfloat16),
     ([1, 64, 65], 1, 32, 2, torch.float16),

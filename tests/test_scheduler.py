@@ -6,6 +6,7 @@ Two kinds of checks:
     indices and workspace slots, empty parts only at the end;
   * exact outputs for small batches worked out by hand from the SPEC rules, which pin the twin bit for bit
     (the CUDA metadata kernel must reproduce them).
+Both also for sparse plans, whose payload has a floor (docs/PERF.md "Scheduler"): max(SPEC payload, 5 + 2).
 """
 import random
 
@@ -13,10 +14,12 @@ import pytest
 import torch
 
 from flash_mla import get_mla_metadata
-from flash_mla.scheduler import pieces_of_part, schedule
+from flash_mla._geometry import SPARSE_MIN_PAYLOAD
+from flash_mla.scheduler import get_mla_metadata_twin, pieces_of_part, schedule
 
 PAGE = 64
 OVERHEAD = 5   # FIXED_OVERHEAD of the SPEC, written out here on purpose
+SPARSE_FLOOR = OVERHEAD + 2   # sparse plans' payload floor (docs/PERF.md "Scheduler"): room for a pair of pages
 
 
 def spec_num_sm_parts(num_sms, num_heads_per_head_k, h_kv):
@@ -34,19 +37,22 @@ def pages_of(begin, end):
     return -(-end // PAGE) - begin // PAGE
 
 
-def run_scheduler(seqlens, num_heads_per_head_k, h_kv, num_sms):
-    md, ns = get_mla_metadata(torch.tensor(seqlens, dtype=torch.int32), num_heads_per_head_k, h_kv,
-                              num_sms=num_sms)
-    return md, ns
+def run_scheduler(seqlens, num_heads_per_head_k, h_kv, num_sms, min_payload=0):
+    """The public classic form (dense), or with min_payload the twin with that payload floor."""
+    lens = torch.tensor(seqlens, dtype=torch.int32)
+    if min_payload:
+        return get_mla_metadata_twin(lens, num_heads_per_head_k, h_kv, num_sms, min_payload)
+    return get_mla_metadata(lens, num_heads_per_head_k, h_kv, num_sms=num_sms)
 
 
-def check_schedule(seqlens, num_heads_per_head_k, h_kv, num_sms, count_pages=True):
-    """Run the scheduler and assert every SPEC property. Returns (metadata rows, num_splits) as lists."""
+def check_schedule(seqlens, num_heads_per_head_k, h_kv, num_sms, count_pages=True, min_payload=0):
+    """Run the scheduler and assert every SPEC property (the payload floored at min_payload). Returns (metadata
+    rows, num_splits) as lists."""
     b = len(seqlens)
     parts = spec_num_sm_parts(num_sms, num_heads_per_head_k, h_kv)
-    payload = spec_payload(seqlens, parts)
-    md_t, ns_t = run_scheduler(seqlens, num_heads_per_head_k, h_kv, num_sms)
-    ctx = f"b={b} nhphk={num_heads_per_head_k} h_kv={h_kv} num_sms={num_sms}"
+    payload = max(spec_payload(seqlens, parts), min_payload)
+    md_t, ns_t = run_scheduler(seqlens, num_heads_per_head_k, h_kv, num_sms, min_payload)
+    ctx = f"b={b} nhphk={num_heads_per_head_k} h_kv={h_kv} num_sms={num_sms} min_payload={min_payload}"
 
     # shapes and types
     assert md_t.dtype == torch.int32 and ns_t.dtype == torch.int32, ctx
@@ -187,6 +193,31 @@ def test_random_medium_batches(seed):
         check_schedule(lens, nhphk, h_kv, num_sms)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_random_sparse_plans(seed):
+    """Sparse plans (the payload floored at 7): every property, on ragged lengths up to a few topk pages, where
+    the floor binds often; and the floor changes nothing where the SPEC payload already reaches it."""
+    rng = random.Random(4000 + seed)
+    bound = 0
+    for _ in range(60):
+        b = rng.choice((1, 1, 2, 3, rng.randint(4, 40)))
+        lens = [rng.choice((0, rng.randint(1, 64), rng.randint(1, 2048), 2048, 64 * rng.randint(1, 40)))
+                for _ in range(b)]
+        s_q, h_q = rng.choice((1, 2)), rng.choice((16, 64, 128))
+        num_sms = rng.choice((132, 132, 114, 78, 16, 7, 1))
+        md, ns = check_schedule(lens, s_q * h_q, 1, num_sms, min_payload=SPARSE_FLOOR)
+        parts = spec_num_sm_parts(num_sms, s_q * h_q, 1)
+        if spec_payload(lens, parts) >= SPARSE_FLOOR:
+            assert (md, ns) == schedule(lens, parts), "the floor changed a plan whose payload already reached it"
+        else:
+            bound += 1
+    assert bound >= 10, f"the floor bound in only {bound} of 60 batches: the test would prove little"
+
+
+def test_sparse_floor_constant():
+    assert SPARSE_MIN_PAYLOAD == SPARSE_FLOOR == OVERHEAD + 2
+
+
 @pytest.mark.parametrize("seed", range(3))
 def test_random_large_batches(seed):
     rng = random.Random(3000 + seed)
@@ -293,6 +324,73 @@ def test_exact_default_num_sms_is_h100():
     assert ns.tolist() == [0, 64]
 
 
+# sparse plans: SPEC payload floored at 7, worked out by hand
+
+def one_row_plan(pages_per_part, parts, length):
+    """Rows of one sequence of `length` tokens cut into pieces of `pages_per_part` pages, then empty parts."""
+    tokens = pages_per_part * PAGE
+    pieces = -(-length // tokens)
+    rows = [[0, tokens * p, 0, min(tokens * (p + 1), length), p, 0, 0, 0] for p in range(pieces)]
+    return rows + [[1, 0, 0, length, 0, 0, 0, 0]] * (parts - pieces)
+
+
+def test_exact_sparse_floor_binds():
+    # b = 1, topk 2048 (32 pages), h_q 128, s_q 1: 128 rows = 2 tiles, 132 // 2 = 66 parts; total 32 + 5 = 37.
+    # SPEC payload ceil(37 / 66) + 5 = 6: 32 parts of one page, 34 empty.
+    # Floored payload 7: 16 parts of two pages (a piece ends every 128 tokens), 50 empty.
+    lens = torch.tensor([2048], dtype=torch.int32)
+    md, ns = get_mla_metadata_twin(lens, 128, 1, 132, SPARSE_FLOOR)
+    assert md.tolist() == one_row_plan(2, 66, 2048)
+    assert md.tolist()[15] == [0, 1920, 0, 2048, 15, 0, 0, 0] and md.tolist()[16] == [1, 0, 0, 2048, 0, 0, 0, 0]
+    assert ns.tolist() == [0, 16]
+    md0, ns0 = get_mla_metadata_twin(lens, 128, 1, 132)
+    assert md0.tolist() == one_row_plan(1, 66, 2048) and ns0.tolist() == [0, 32]
+    # a larger floor is a longer piece: 11 = 6 pages + 5, so ceil(32 / 6) = 6 pieces
+    md11, ns11 = get_mla_metadata_twin(lens, 128, 1, 132, 11)
+    assert md11.tolist() == one_row_plan(6, 66, 2048) and ns11.tolist() == [0, 6]
+
+
+def test_exact_sparse_floor_ragged():
+    # pages 3, 1, 0; h_q 16, s_q 2: 32 rows, 132 parts; total 4 + 15 = 19, SPEC payload 1 + 5 = 6, floored 7.
+    # part 0: seq 0 needs 8 > 7 -> 2 pages, cut at 128.  part 1: seq 0's last page (6) closes it, 1 left.
+    # part 2: seq 1 (6), 1 left.  part 3: seq 2 (5).  Then 128 empty parts.
+    md, ns = get_mla_metadata_twin(torch.tensor([150, 64, 0], dtype=torch.int32), 32, 1, 132, SPARSE_FLOOR)
+    assert md.tolist() == [
+        [0, 0, 0, 128, 0, 0, 0, 0],
+        [0, 128, 0, 150, 1, 0, 0, 0],
+        [1, 0, 1, 64, 0, 0, 0, 0],
+        [2, 0, 2, 0, 0, 0, 0, 0],
+    ] + [[3, 0, 2, 0, 0, 0, 0, 0]] * 128
+    assert ns.tolist() == [0, 2, 3, 4]
+    # without the floor: one page a piece (seq 0 in 3 pieces)
+    assert schedule([150, 64, 0], 132)[1] == [0, 3, 4, 5]
+
+
+@pytest.mark.parametrize("b,s_q,h_q,payload", [(1, 2, 128, 7), (16, 1, 128, 14), (16, 2, 128, 23), (32, 1, 64, 14)])
+def test_sparse_floor_does_not_bind(b, s_q, h_q, payload):
+    """The referee's other sparse shapes (topk 2048, 132 SMs): the SPEC payload is already >= 7, so the sparse
+    plan is the dense rule's."""
+    lens = torch.full((b,), 2048, dtype=torch.int32)
+    parts = spec_num_sm_parts(132, s_q * h_q, 1)
+    assert spec_payload(lens.tolist(), parts) == payload >= SPARSE_FLOOR
+    floored = get_mla_metadata_twin(lens, s_q * h_q, 1, 132, SPARSE_FLOOR)
+    plain = get_mla_metadata_twin(lens, s_q * h_q, 1, 132)
+    assert torch.equal(floored[0], plain[0]) and torch.equal(floored[1], plain[1])
+
+
+def test_classic_form_sparse_plan_is_floored_dense_is_not():
+    """get_mla_metadata(..., topk=2048) on CPU tensors plans with the floor; the dense call (fp8 cache or not)
+    on the same lengths keeps the SPEC rule."""
+    cache_seqlens = torch.tensor([12345], dtype=torch.int32)        # with topk only its size and device count
+    md, ns = get_mla_metadata(cache_seqlens, 1 * 128, 1, num_heads_q=128, is_fp8_kvcache=True, topk=2048,
+                              num_sms=132)
+    assert md.tolist() == one_row_plan(2, 66, 2048) and ns.tolist() == [0, 16]
+    for fp8 in (False, True):
+        dense_md, dense_ns = get_mla_metadata(torch.tensor([2048], dtype=torch.int32), 128, 1, num_heads_q=128,
+                                              is_fp8_kvcache=fp8, num_sms=132)
+        assert dense_md.tolist() == one_row_plan(1, 66, 2048) and dense_ns.tolist() == [0, 32]
+
+
 def test_deterministic():
     lens = torch.tensor([3, 5000, 0, 77777, 64], dtype=torch.int32)
     a = get_mla_metadata(lens, 64, 1)
@@ -301,7 +399,7 @@ def test_deterministic():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# the twin's min_payload hook (benchmarks/plan_policy.py times plans made with it on the GPU)
+# the twin's min_payload (sparse plans use 7; benchmarks/plan_policy.py times other floors on the GPU)
 
 @pytest.mark.parametrize("seqlens", [[32768], [131072], [32768] * 4, [4641, 45118, 1730, 1696], [4096] * 32,
                                      [0, 20000, 0, 65, 1]])

@@ -108,7 +108,9 @@ def make_case(b, s_q, h_q, topk, *, topk_length=None, num_blocks=None, page=64, 
 
 
 def plan(case: SparseCase, num_sms: int):
-    """The scheduler's plan: lengths topk_length (or topk), s_q * h_q rows per KV head, one KV head."""
+    """The scheduler's plan: lengths topk_length (or topk), s_q * h_q rows per KV head, one KV head; without the
+    sparse payload floor the API adds (SPARSE_MIN_PAYLOAD), so that one-page pieces are cut here too (the kernel
+    takes any plan; tests/test_sparse.py runs it on the API's floored plans)."""
     b, s_q, h_q, topk = case.shape
     lengths = case.topk_length.cpu() if case.topk_length is not None else torch.full((b,), topk, dtype=torch.int32)
     md, ns = get_mla_metadata_twin(lengths, s_q * h_q, 1, num_sms)

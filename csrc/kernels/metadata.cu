@@ -1,5 +1,6 @@
 // The tile scheduler (get_mla_metadata) on the device: SPEC.md "Scheduler", bit for bit the rules of
-// flash_mla/scheduler.py. One CTA, no host synchronisation, any batch size.
+// flash_mla/scheduler.py (with its payload floor, min_payload: 0 for dense plans, SPARSE_MIN_PAYLOAD for sparse
+// ones). One CTA, no host synchronisation, any batch size.
 //
 // The greedy walk is sequential by nature, but each SM part only ever (a) finishes the sequence the previous
 // part cut, (b) takes a run of whole sequences, (c) cuts the next one. With an exclusive prefix sum of the
@@ -44,7 +45,7 @@ __global__ void __launch_bounds__(kThreads) mla_metadata_kernel(const MetadataPa
   if (threadIdx.x == 0) {
     const int* prefix = p.cost_prefix;
     const int total = prefix[p.batch];
-    const int payload = (total + p.num_sm_parts - 1) / p.num_sm_parts + kFixedOverhead;
+    const int payload = max((total + p.num_sm_parts - 1) / p.num_sm_parts + kFixedOverhead, p.min_payload);
     int seq = 0, block = 0, split_idx = 0;     // walk position: sequence, first untaken page, pieces cut so far
     int n_split = 0, extra = 0;
     split_extra[0] = 0;

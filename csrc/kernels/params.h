@@ -35,6 +35,10 @@ struct MetadataParams {
   int32_t* cost_prefix;          // (batch + 1,) scratch: exclusive prefix sum of per-sequence costs
   int batch;
   int num_sm_parts;
+  // Floor on each part's payload, in pages (FIXED_OVERHEAD included): payload = max(ceil(total / num_sm_parts) +
+  // FIXED_OVERHEAD, min_payload). 0 for dense plans (SPEC.md's rule); sparse plans pass SPARSE_MIN_PAYLOAD of
+  // flash_mla/_geometry.py (pairs of pages for the sparse kernel's two computing warpgroups).
+  int min_payload;
 };
 
 // How q is stored relative to the kernel's 16-bit math type. Only the FP8-cache kernels (fp16 math) see anything
