@@ -6,8 +6,10 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include "kernels/params.h"
 #include "kernels/variant.h"
@@ -17,8 +19,24 @@ namespace {
 
 #define CHECK_DEVICE(x, dev) TORCH_CHECK((x).device() == (dev), #x ": expected a tensor on ", dev, ", got ", (x).device())
 #define CHECK_DTYPE(x, dt) TORCH_CHECK((x).scalar_type() == (dt), #x ": expected dtype ", dt, ", got ", (x).scalar_type())
-#define CHECK_SHAPE(x, ...) \
-  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x ": expected shape ", at::IntArrayRef({__VA_ARGS__}), ", got ", (x).sizes())
+// Check messages get only strings, devices and dtypes: a number formatted by the extension's own std::ostream (the
+// c10::str inside TORCH_CHECK) crashed a torch 2.11 process instead of raising. std::to_string and snprintf are safe.
+template <typename T, std::enable_if_t<std::is_integral_v<T>, int> = 0>
+std::string str_of(T v) { return std::to_string(v); }
+std::string str_of(double v) {    // "%g": what the ostream printed (0.5, 0.0416667, 1e-08, inf, nan)
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", v);
+  return buf;
+}
+std::string shape_of(at::IntArrayRef sizes) {    // as c10's operator<< for ArrayRef: [2, 3, 576]
+  std::string out = "[";
+  for (size_t i = 0; i < sizes.size(); ++i) out += (i > 0 ? ", " : "") + std::to_string(sizes[i]);
+  return out + "]";
+}
+
+#define CHECK_SHAPE(x, ...)                                                                                    \
+  TORCH_CHECK((x).sizes() == at::IntArrayRef({__VA_ARGS__}), #x ": expected shape ",                           \
+              shape_of(at::IntArrayRef({__VA_ARGS__})), ", got ", shape_of((x).sizes()))
 
 constexpr int kMaxSmParts = 1024;   // metadata kernel's shared-memory bound (csrc/kernels/metadata.cu)
 
@@ -33,16 +51,20 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
                                          int64_t num_heads_k, int64_t num_sms, int64_t min_payload) {
   TORCH_CHECK(seqlens.is_cuda(), "cache_seqlens: expected a CUDA tensor, got one on ", seqlens.device());
   CHECK_DTYPE(seqlens, at::kInt);
-  TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ", seqlens.sizes());
+  TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ",
+              shape_of(seqlens.sizes()));
   TORCH_CHECK(num_heads_per_head_k >= 1 && num_heads_k >= 1 && num_sms >= 1,
-              "num_heads_per_head_k, num_heads_k, num_sms: expected >= 1, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
+              "num_heads_per_head_k, num_heads_k, num_sms: expected >= 1, got ", str_of(num_heads_per_head_k), ", ",
+              str_of(num_heads_k), ", ", str_of(num_sms));
   // num_sm_parts_for takes int: a larger value would wrap (to 0: a division by zero on the host).
   TORCH_CHECK(num_heads_per_head_k <= INT32_MAX && num_heads_k <= INT32_MAX && num_sms <= INT32_MAX,
-              "num_heads_per_head_k, num_heads_k, num_sms: expected < 2^31, got ", num_heads_per_head_k, ", ", num_heads_k, ", ", num_sms);
+              "num_heads_per_head_k, num_heads_k, num_sms: expected < 2^31, got ", str_of(num_heads_per_head_k), ", ",
+              str_of(num_heads_k), ", ", str_of(num_sms));
   TORCH_CHECK(min_payload >= 0 && min_payload <= INT32_MAX, "min_payload: expected an int in [0, 2^31), got ",
-              min_payload);
+              str_of(min_payload));
   const int parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k);
-  TORCH_CHECK(parts <= kMaxSmParts, "num_sms: at most ", kMaxSmParts, " SM parts are supported, got ", parts);
+  TORCH_CHECK(parts <= kMaxSmParts, "num_sms: at most ", str_of(kMaxSmParts), " SM parts are supported, got ",
+              str_of(parts));
   const c10::cuda::CUDAGuard guard(seqlens.device());
   const auto seqlens_c = seqlens.contiguous();
   const int batch = seqlens.size(0);
@@ -58,11 +80,11 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
 }
 
 void check_rows_16_byte_aligned(const at::Tensor& x, const char* name) {
-  TORCH_CHECK(x.stride(-1) == 1, name, ": expected a contiguous last dimension, got strides ", x.strides());
+  TORCH_CHECK(x.stride(-1) == 1, name, ": expected a contiguous last dimension, got strides ", shape_of(x.strides()));
   const int64_t vector = 16 / x.element_size();    // elements per 16 bytes
   for (int d = 0; d + 1 < x.dim(); ++d)
-    TORCH_CHECK(x.stride(d) % vector == 0, name, ": expected strides that are multiples of ", vector,
-                " elements (16 bytes), got ", x.strides());
+    TORCH_CHECK(x.stride(d) % vector == 0, name, ": expected strides that are multiples of ", str_of(vector),
+                " elements (16 bytes), got ", shape_of(x.strides()));
   TORCH_CHECK(reinterpret_cast<uintptr_t>(x.data_ptr()) % 16 == 0, name, ": expected a 16-byte aligned data pointer");
 }
 
@@ -73,15 +95,16 @@ void check_plan_scale_sink(const c10::Device& dev, int batch, int num_heads_q, c
                            const std::optional<at::Tensor>& attn_sink) {
   CHECK_DEVICE(metadata, dev); CHECK_DTYPE(metadata, at::kInt);
   TORCH_CHECK(metadata.dim() == 2 && metadata.size(1) == kMetadataWidth && metadata.size(0) >= 1 && metadata.is_contiguous(),
-              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", metadata.sizes());
+              "tile_scheduler_metadata: expected contiguous (num_sm_parts, 8), got ", shape_of(metadata.sizes()));
   CHECK_DEVICE(num_splits, dev); CHECK_DTYPE(num_splits, at::kInt); CHECK_SHAPE(num_splits, batch + 1);
-  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0, "softmax_scale: expected a finite positive float, got ", softmax_scale);
+  TORCH_CHECK(std::isfinite(softmax_scale) && softmax_scale > 0,
+              "softmax_scale: expected a finite positive float, got ", str_of(softmax_scale));
   if (attn_sink.has_value()) {
     const at::Tensor& sink = *attn_sink;
     TORCH_CHECK(sink.device() == dev, "attn_sink: expected a tensor on ", dev, ", got ", sink.device());
     TORCH_CHECK(sink.scalar_type() == at::kFloat, "attn_sink: expected dtype float32, got ", sink.scalar_type());
     TORCH_CHECK(sink.dim() == 1 && sink.size(0) == num_heads_q,
-                "attn_sink: expected shape (num_heads_q,) = (", num_heads_q, "), got ", sink.sizes());
+                "attn_sink: expected shape (num_heads_q,) = (", str_of(num_heads_q), "), got ", shape_of(sink.sizes()));
   }
 }
 
@@ -158,23 +181,26 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   };
   check_descale(descale_q, "descale_q");
   check_descale(descale_k, "descale_k");
-  TORCH_CHECK(q.dim() == 4, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4, "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
+  TORCH_CHECK(q.dim() == 4, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", shape_of(q.sizes()));
+  TORCH_CHECK(k_cache.dim() == 4, "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ",
+              shape_of(k_cache.sizes()));
   const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2), num_heads_k = k_cache.size(2);
-  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
-  TORCH_CHECK(q.size(3) == kHeadDimQK, "q: expected head_dim ", kHeadDimQK, ", got ", q.size(3));
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1 && num_heads_q >= 1, "q: expected non-empty dimensions, got ",
+              shape_of(q.sizes()));
+  TORCH_CHECK(q.size(3) == kHeadDimQK, "q: expected head_dim ", str_of(kHeadDimQK), ", got ", str_of(q.size(3)));
   CHECK_DEVICE(k_cache, dev);
   if (!fp8_cache) CHECK_DTYPE(k_cache, dtype);
   TORCH_CHECK(k_cache.size(1) == kPageBlockSize && k_cache.size(3) == kHeadDimQK && k_cache.size(0) >= 1,
-              "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", k_cache.sizes());
+              "k_cache: expected (num_blocks, 64, num_heads_k, 576), got ", shape_of(k_cache.sizes()));
   TORCH_CHECK(num_heads_k >= 1 && num_heads_q % num_heads_k == 0,
-              "k_cache: expected num_heads_k dividing num_heads_q = ", num_heads_q, ", got ", num_heads_k);
-  TORCH_CHECK(head_dim_v == kHeadDimV, "head_dim_v: expected ", kHeadDimV, ", got ", head_dim_v);
+              "k_cache: expected num_heads_k dividing num_heads_q = ", str_of(num_heads_q), ", got ",
+              str_of(num_heads_k));
+  TORCH_CHECK(head_dim_v == kHeadDimV, "head_dim_v: expected ", str_of(kHeadDimV), ", got ", str_of(head_dim_v));
   check_rows_16_byte_aligned(q, "q");
   check_rows_16_byte_aligned(k_cache, "k_cache");
   CHECK_DEVICE(block_table, dev); CHECK_DTYPE(block_table, at::kInt);
   TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) == batch,
-              "block_table: expected (batch_size, max_blocks_per_seq), got ", block_table.sizes());
+              "block_table: expected (batch_size, max_blocks_per_seq), got ", shape_of(block_table.sizes()));
   TORCH_CHECK(block_table.size(1) == 0 || block_table.stride(1) == 1, "block_table: expected a contiguous last dimension");
   CHECK_DEVICE(seqlens, dev); CHECK_DTYPE(seqlens, at::kInt); CHECK_SHAPE(seqlens, batch);
   check_plan_scale_sink(dev, batch, num_heads_q, metadata, num_splits, softmax_scale, attn_sink);
@@ -230,21 +256,22 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(q.is_cuda(), "q: expected a CUDA tensor, got one on ", q.device());
   const auto dev = q.device();
   CHECK_DTYPE(q, at::kBFloat16);
-  TORCH_CHECK(q.dim() == 4 && q.size(3) == kHeadDimQK, "q: expected (batch, seqlen_q, num_heads_q, 576), got ", q.sizes());
+  TORCH_CHECK(q.dim() == 4 && q.size(3) == kHeadDimQK, "q: expected (batch, seqlen_q, num_heads_q, 576), got ",
+              shape_of(q.sizes()));
   const int batch = q.size(0), seqlen_q = q.size(1), num_heads_q = q.size(2);
-  TORCH_CHECK(batch >= 1 && seqlen_q >= 1, "q: expected non-empty dimensions, got ", q.sizes());
-  TORCH_CHECK(num_heads_q % kRowsPerTile == 0, "q: the cuda sparse kernel needs num_heads_q a multiple of ", kRowsPerTile,
-              ", got ", num_heads_q);
+  TORCH_CHECK(batch >= 1 && seqlen_q >= 1, "q: expected non-empty dimensions, got ", shape_of(q.sizes()));
+  TORCH_CHECK(num_heads_q % kRowsPerTile == 0, "q: the cuda sparse kernel needs num_heads_q a multiple of ",
+              str_of(kRowsPerTile), ", got ", str_of(num_heads_q));
   check_rows_16_byte_aligned(q, "q");
   CHECK_DEVICE(k_cache, dev);
   TORCH_CHECK(k_cache.scalar_type() == at::kByte || k_cache.scalar_type() == at::kFloat8_e4m3fn,
               "k_cache: expected dtype uint8 or float8_e4m3fn, got ", k_cache.scalar_type());
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.size(2) == 1 && k_cache.size(3) == kTokenBytes && k_cache.size(0) >= 1 &&
                   k_cache.size(1) >= 1,
-              "k_cache: expected (num_blocks, page_block_size, 1, 656), got ", k_cache.sizes());
+              "k_cache: expected (num_blocks, page_block_size, 1, 656), got ", shape_of(k_cache.sizes()));
   CHECK_DEVICE(indices, dev); CHECK_DTYPE(indices, at::kInt);
   TORCH_CHECK(indices.dim() == 3 && indices.size(0) == batch && indices.size(1) == seqlen_q && indices.size(2) >= 1,
-              "indices: expected (batch_size, seqlen_q, topk), got ", indices.sizes());
+              "indices: expected (batch_size, seqlen_q, topk), got ", shape_of(indices.sizes()));
   if (topk_length.has_value()) {
     CHECK_DEVICE(*topk_length, dev); CHECK_DTYPE(*topk_length, at::kInt); CHECK_SHAPE(*topk_length, batch);
   }
