@@ -3,6 +3,7 @@
     python3 benchmarks/sass_diff.py csrc/kernels/splitkv_fp8_e4m3_scores.cu              # this tree's kernels
     python3 benchmarks/sass_diff.py --base /tmp/main csrc/kernels/splitkv_fp8_e4m3_scores.cu   # against a tree
     python3 benchmarks/sass_diff.py --cubins a.cubin b.cubin                              # two cubins
+    python3 benchmarks/sass_diff.py --lines csrc/kernels/splitkv_sparse.cu                # where the code is
 
 Each .cu file is compiled to a cubin for sm_90a with the flags setup.py builds with (ptxas -v: registers and
 spills), in this tree and, with --base, in another checkout; `cuobjdump -sass` disassembles it (from the CUDA
@@ -12,6 +13,13 @@ their modifiers, `--modifiers` keeps them); one build alone prints its counts. T
 instruction inside the pair loop weighs its trip count at run time, so read the diff next to the change (the FP8
 widening's selects, shifts and branches were found this way: docs/PERF.md, "FP8 cache"). Only for our own
 kernels: the anchors are never disassembled.
+
+--lines compiles with -lineinfo and disassembles with `nvdisasm --print-line-info` (NVDISASM, or beside cuobjdump):
+per kernel function and warpgroup role (the code split at each setmaxnreg, as benchmarks/ncu_roles.py splits
+ncu's counters; the code after the last EXIT apart: out-of-line wait loops and divergence fallbacks), the static
+instruction count by source file and the source lines with the most instructions. Code size is worth watching:
+the sparse kernel measured slower by 4-5 % when its epilogue grew it from 7,752 to 13,304 instructions, and faster
+by 0.5 % when 448 dead ones went (docs/PERF.md, "What was tried").
 """
 from __future__ import annotations
 
@@ -84,15 +92,16 @@ def _cutlass_include(tree: Path) -> str:
     return str(Path(cutlass_library.__file__).parent / "source" / "include")
 
 
-def compile_cubin(tree: Path, kernel: str, out: Path) -> tuple[Path, str]:
-    """The cubin of `kernel` (a path relative to the tree) and ptxas's -v report, with setup.py's flags."""
+def compile_cubin(tree: Path, kernel: str, out: Path, lineinfo: bool = False) -> tuple[Path, str]:
+    """The cubin of `kernel` (a path relative to the tree) and ptxas's -v report, with setup.py's flags (and
+    -lineinfo, which setup.py also passes, when `lineinfo`: it does not change the code)."""
     nvcc = _tool("NVCC", "nvcc", "")
     cccl = Path(nvcc).resolve().parents[1] / "include" / "cccl"
     cubin = out / (Path(kernel).stem + ".cubin")
     cmd = [nvcc, "-std=c++17", "-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
            "-DCUTLASS_ENABLE_GDC_FOR_SM90", f"-I{_cutlass_include(tree)}", f"-I{tree / 'csrc' / 'kernels'}",
            f"-I{cccl}", "-gencode", "arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-cubin",
-           str(tree / kernel), "-o", str(cubin)]
+           *(["-lineinfo"] if lineinfo else []), str(tree / kernel), "-o", str(cubin)]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"sass_diff: {tree / kernel} did not compile:\n{proc.stderr[-3000:]}")
@@ -106,6 +115,94 @@ def disassemble(cubin: Path) -> str:
     if proc.returncode != 0:
         raise SystemExit(f"sass_diff: cuobjdump failed on {cubin}:\n{proc.stderr[-2000:]}")
     return proc.stdout
+
+
+# nvdisasm --print-line-info: `//## File "/path/x.h", line 85` before the instructions it covers (innermost
+# source line; no inlining chain), `.text.<function>:` at each function, instructions as cuobjdump prints them.
+_LINE = re.compile(r'\s*//## File "(.*)", line (\d+)')
+_TEXT = re.compile(r"^\.text\.(\S+):$")
+_SETMAXNREG = re.compile(r"USETMAXREG\S*\s+(?:\S+,\s*)?(0x[0-9a-f]+|\d+)")
+
+
+def parse_lines(text: str) -> dict[str, list[tuple[str, collections.Counter]]]:
+    """{kernel function: [(region, Counter((file, line)))]}: the setup, one region per setmaxnreg (named by its
+    register count) and the code after the function's last EXIT, in address order; instructions before any line
+    annotation count under ("?", 0)."""
+    functions: dict[str, list[tuple[int, str, tuple[str, int]]]] = {}
+    current, where = None, ("?", 0)
+    for line in text.splitlines():
+        m = _TEXT.match(line)
+        if m:
+            current, where = functions.setdefault(m.group(1), []), ("?", 0)
+            continue
+        m = _LINE.match(line)
+        if m:
+            where = (m.group(1), int(m.group(2)))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if m and current is not None and _INSTRUCTION.match(line):
+            current.append((int(m.group(1), 16), m.group(2), where))
+    out = {}
+    for fn, instructions in functions.items():
+        exits = [a for a, src, _ in instructions if re.match(r"(@!?U?P\w+\s+)?EXIT\b", src)]
+        tail = exits[-1] if exits else None
+        regions, name = [], "setup"
+        counts: collections.Counter = collections.Counter()
+        for address, src, where in instructions:
+            m = _SETMAXNREG.search(src)
+            after_tail = tail is not None and address > tail
+            if (m and not after_tail) or (after_tail and name != "after the last EXIT"):
+                regions.append((name, counts))
+                counts = collections.Counter()
+                name = "after the last EXIT" if after_tail else f"role of {int(m.group(1), 0)} registers"
+            counts[where] += 1
+        regions.append((name, counts))
+        out[fn] = [(n, c) for n, c in regions if c]
+    return out
+
+
+def disassemble_lines(cubin: Path) -> str:
+    """`nvdisasm --print-line-info` of a cubin (NVDISASM, nvdisasm on PATH or in /usr/local/cuda/bin, or the one
+    beside CUOBJDUMP: the nvidia-cuda-cuobjdump wheel ships both)."""
+    beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
+    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or (str(beside) if beside.exists() else None)
+    if nvdisasm is None:
+        raise SystemExit("sass_diff: nvdisasm not found: set NVDISASM (it ships beside cuobjdump)")
+    proc = subprocess.run([nvdisasm, "--print-line-info", str(cubin)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"sass_diff: nvdisasm failed on {cubin}:\n{proc.stderr[-2000:]}")
+    return proc.stdout
+
+
+def report_lines(label: str, functions: dict, top: int, root: Path = ROOT) -> None:
+    """Per function and region: instructions, the files they come from, the `top` source lines with the most."""
+    sources: dict[str, list[str]] = {}
+
+    def source(path: str, number: int) -> str:
+        if path not in sources:
+            try:
+                sources[path] = Path(path).read_text().splitlines()
+            except OSError:
+                sources[path] = []
+        lines = sources[path]
+        return lines[number - 1].strip()[:80] if 0 < number <= len(lines) else ""
+
+    def short(path: str) -> str:
+        try:
+            return str(Path(path).resolve().relative_to(root))
+        except ValueError:
+            return Path(path).name
+    print(f"== {label}")
+    for fn, regions in functions.items():
+        print(fn)
+        for name, counts in regions:
+            files: collections.Counter = collections.Counter()
+            for (path, _), count in counts.items():
+                files[short(path)] += count
+            print(f"  {name}: {sum(counts.values())} instructions; " +
+                  ", ".join(f"{f} {c}" for f, c in files.most_common(6)))
+            for (path, number), count in counts.most_common(top):
+                print(f"    {count:5d}  {short(path)}:{number}  {source(path, number)}")
 
 
 def _regs(table: dict, fn: str) -> str:
@@ -133,7 +230,17 @@ def main(argv=None) -> int:
     ap.add_argument("--base", help="another checkout to compare against (default: this tree's counts alone)")
     ap.add_argument("--cubins", action="store_true", help="the two arguments are cubins: base, then new")
     ap.add_argument("--modifiers", action="store_true", help="count opcodes with their modifiers")
+    ap.add_argument("--lines", action="store_true", help="instructions per role and source line (nvdisasm)")
+    ap.add_argument("--top", type=int, default=15, help="with --lines: source lines listed per role")
     args = ap.parse_args(argv)
+    if args.lines:
+        if not args.kernels:
+            raise SystemExit("sass_diff: name at least one kernel .cu file (e.g. csrc/kernels/splitkv_sparse.cu)")
+        with tempfile.TemporaryDirectory() as tmp:
+            for kernel in args.kernels:
+                cubin, _ = compile_cubin(ROOT, kernel, Path(tmp), lineinfo=True)
+                report_lines(kernel, parse_lines(disassemble_lines(cubin)), args.top)
+        return 0
     if args.cubins:
         if len(args.kernels) != 2:
             raise SystemExit("sass_diff: --cubins takes exactly two cubins")

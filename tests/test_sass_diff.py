@@ -93,3 +93,75 @@ def test_end_to_end_on_a_tiny_kernel(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "_Z1kPKfPf" in out
     assert any(line.split()[0] == "LDG" and line.endswith("(+1)") for line in out.splitlines()[2:]), out
+
+
+# Shaped as `nvdisasm --print-line-info` prints it: a function of two setmaxnreg roles, an out-of-line wait loop.
+LINES = textwrap.dedent("""\
+    //--------------------- .text._Z1kv --------------------------
+    \t.section\t.text._Z1kv,"ax",@progbits
+    .text._Z1kv:
+    \t//## File "/src/kernel.h", line 10
+            /*0000*/                   LDC R1, c[0x0][0x28] ;
+            /*0010*/                   S2R R0, SR_TID.X ;
+    \t//## File "/src/kernel.h", line 20
+            /*0020*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+    \t//## File "/src/epilogue.h", line 85
+            /*0030*/              @!P0 STG.E desc[UR4][R2.64], R4 ;
+            /*0040*/                   STG.E desc[UR4][R2.64+0x4], R5 ;
+            /*0050*/                   EXIT ;
+    .L_x_1:
+    \t//## File "/src/kernel.h", line 30
+            /*0060*/                   USETMAXREG.DEALLOC.CTAPOOL 0x40 ;
+    \t//## File "/src/gather.h", line 7
+            /*0070*/                   LDGSTS.E.BYPASS.128 [R3], desc[UR4][R6.64] ;
+            /*0080*/                   EXIT ;
+    .L_x_2:
+    \t//## File "/src/barrier.h", line 424
+            /*0090*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2], R3 ;
+            /*00a0*/              @!P0 BRA `(.L_x_2) ;
+    """)
+
+
+def test_parse_lines_splits_roles_and_counts_source_lines():
+    functions = sass_diff.parse_lines(LINES)
+    assert list(functions) == ["_Z1kv"]
+    regions = functions["_Z1kv"]
+    assert [name for name, _ in regions] == ["setup", "role of 240 registers", "role of 64 registers",
+                                             "after the last EXIT"]
+    setup, big, small, tail = (counts for _, counts in regions)
+    assert setup == collections.Counter({("/src/kernel.h", 10): 2})
+    assert big == collections.Counter({("/src/kernel.h", 20): 1, ("/src/epilogue.h", 85): 3})
+    assert small == collections.Counter({("/src/kernel.h", 30): 1, ("/src/gather.h", 7): 2})
+    assert tail == collections.Counter({("/src/barrier.h", 424): 2})
+
+
+def test_report_lines_prints_regions_files_and_top_lines(capsys, tmp_path):
+    src = tmp_path / "epilogue.h"
+    src.write_text("\n" * 84 + "    store(x);\n")
+    functions = {"_Z1kv": [("role of 240 registers",
+                            collections.Counter({(str(src), 85): 3, ("/elsewhere/barrier.h", 424): 1}))]}
+    sass_diff.report_lines("k.cu", functions, top=1, root=tmp_path)
+    out = capsys.readouterr().out
+    assert "role of 240 registers: 4 instructions; epilogue.h 3, barrier.h 1" in out
+    listed = [line.split()[1] for line in out.splitlines() if line.startswith("    ")]
+    assert listed == ["epilogue.h:85"] and "3  epilogue.h:85  store(x);" in out    # top=1: the largest line only
+
+
+def _nvdisasm_found() -> bool:
+    beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
+    return bool(os.environ.get("NVDISASM") or shutil.which("nvdisasm") or beside.exists())
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
+                    reason="nvcc not found")
+@pytest.mark.skipif(not _nvdisasm_found(), reason="nvdisasm (CUDA toolkit) not found")
+def test_lines_end_to_end_on_a_tiny_kernel(tmp_path):
+    pytest.importorskip("cutlass_library", reason="CUTLASS headers: pip install nvidia-cutlass")
+    kernels = tmp_path / "csrc" / "kernels"
+    kernels.mkdir(parents=True)
+    (kernels / "k.cu").write_text("__global__ void k(const float* in, float* out) {\n"
+                                  "  out[threadIdx.x] = in[threadIdx.x] * 2.f;\n}\n")
+    cubin, _ = sass_diff.compile_cubin(tmp_path, "csrc/kernels/k.cu", tmp_path, lineinfo=True)
+    regions = sass_diff.parse_lines(sass_diff.disassemble_lines(cubin))["_Z1kPKfPf"]
+    assert regions[0][0] == "setup"
+    assert any(path.endswith("k.cu") and line == 2 for _, counts in regions for path, line in counts)
