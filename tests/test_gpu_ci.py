@@ -63,6 +63,7 @@ REASONS = {
     "get_mla_metadata without the CUDA extension reads the lengths on the host": MISSING,
     "nvcc not found": MISSING,
     "cuobjdump (CUDA toolkit) not found": MISSING,                                               # test_sass_diff
+    "nvdisasm (CUDA toolkit) not found": MISSING,                                                # test_sass_diff
     "no CUDA runtime headers under {}": MISSING,
     "CUTLASS headers: pip install nvidia-cutlass": MISSING,
     "triton is not installed": MISSING,
