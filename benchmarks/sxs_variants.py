@@ -29,7 +29,11 @@ symbol in flash_mla::<name>, so kernels differ by name in profiles too), which t
 In its process, a variant's extension (flash_mla/_cuda*.so) is loaded directly and called through its binding
 (no Python validation, the device plan for 132 SMs), timed exactly as the referee times flash_mla
 (`sxs.time_graph`: N calls over N cache copies in one CUDA graph, best of two medians), interleaved per workload
-with the anchors, so each ratio (best anchor / variant) comes from one process as the referee's do. Results of
+with the anchors, so each ratio (best anchor / variant) comes from one process as the referee's do. Within a
+process the variant timed first on each workload is the fastest: two identical builds measured 0.985 / 0.966 and, in
+the other order, 0.988 / 0.973 (18 compute-bound rows' geomean; sparse rows ~1 %; H100, 2026-11-27). So each repeat
+runs the variants in an order rotated by one: with --repeat equal to the number of variants every variant is first
+once, and a variant's columns are compared by their mean over the repeats. Results of
 the variants must agree with the first one (out rel-L2 < 1e-2 on every fourth element, the same -inf pattern of
 lse) unless --timing-only. Prints one row per workload (times, the first process's anchor time, ratios) and the
 geometric means per group (table rows split into memory-bound h_q * s_q < 128 and compute-bound); variants are
@@ -106,6 +110,15 @@ class RawSparseExtension(RawExtension):
     def decode(self, q, k, bt, seqlens, plan, causal):
         md, ns = plan
         return tuple(self.mod.sparse_decode(q, k, bt, None, md, ns, 576 ** -0.5))
+
+
+def timing_runs(names, folders, repeat, same_process):
+    """The timing processes, each a list of (column name, folder): one per (repeat, variant), or with
+    `same_process` one per repeat holding every variant, repeat r in an order rotated by r (within a process the
+    first variant is timed fastest: the module docstring), so that each variant is first equally often."""
+    groups = [list(zip(names, folders))] if same_process else [[nf] for nf in zip(names, folders)]
+    return [[(n if r == 0 else f"{n}#{r + 1}", f) for n, f in group[r % len(group):] + group[:r % len(group)]]
+            for r in range(repeat) for group in groups]
 
 
 def geomean(xs):
@@ -191,9 +204,7 @@ def main():
     names = [os.path.basename(os.path.normpath(f)) for f in args.folders]
     if len(set(names)) != len(names):
         raise SystemExit(f"variant folders need distinct names: {names}")
-    # One timing process per (repeat, variant), or per repeat with all variants in it (--same-process).
-    groups_of = [list(zip(names, args.folders))] if args.same_process else [[nf] for nf in zip(names, args.folders)]
-    runs = [[(n if r == 0 else f"{n}#{r + 1}", f) for n, f in group] for r in range(args.repeat) for group in groups_of]
+    runs = timing_runs(names, args.folders, args.repeat, args.same_process)
     names = [n for run in runs for n, _f in run]
     work = workloads(sxs, args)
     times = {}   # name -> list of (variant seconds, anchor seconds) per workload
