@@ -12,6 +12,10 @@ meanwhile, and prints per implementation: the burst's time per call, the time pe
 first `--settle` seconds dropped), the mean SM clock, the mean board power, energy per call (power x time),
 and the time per call scaled to 1.98 GHz (what the same kernels would take unthrottled, were they clock-bound).
 Implementations run in the order given, then again in reverse, and each row is the mean of both passes.
+
+Two builds compare as two processes, head as the control in each (A B A B; energy per call repeats within ~0.5 %):
+
+    for t in /tmp/e0 /tmp/e1 /tmp/e0 /tmp/e1; do PYTHONPATH=$t python3 benchmarks/power_row.py --anchors .anchors; done
 """
 import argparse
 import os
