@@ -591,7 +591,8 @@ void launch_combine(const DecodeParams& p, cudaStream_t stream) {
   // split kernel triggers right after it), run the prologue, and wait in griddepcontrol.wait. Captured into a CUDA
   // graph this becomes a programmatic edge. Measured on the H100 (docs/PERF.md): 1-6% faster end to end than a
   // plain launch on b = 1 long contexts, so there is no switch.
-  launch_kernel(mla_combine_kernel<Element>, dim3(ctas), dim3(kCombineThreads), 0, stream, /*programmatic=*/true, p);
+  launch_kernel(mla_combine_kernel<Element>, dim3(ctas), dim3(kCombineThreads), 0, stream, /*programmatic=*/true,
+                /*cluster_x=*/1, p);
 }
 
 }  // namespace

@@ -13,19 +13,32 @@ FLASH_MLA_NAMESPACE_BEGIN
 // With `programmatic`, the grid's CTAs may be scheduled before the previous kernel on `stream` has finished; the
 // kernel must then wait in griddepcontrol.wait before it reads anything that kernel writes (without the attribute
 // that wait returns at once). A launch error is left for cudaGetLastError (the binding checks it).
+// With `cluster_x` > 1 the CTAs are launched as clusters of cluster_x along x (co-scheduled on one GPC; the
+// kernel uses no cluster feature).
 template <class... KernelArgs, class... Args>
 void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
-                   bool programmatic, Args&&... args) {
+                   bool programmatic, int cluster_x, Args&&... args) {
   cudaLaunchConfig_t config{};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = smem_bytes;
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  int count = 0;
+  if (programmatic) {
+    attribute[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  if (cluster_x > 1) {
+    attribute[count].id = cudaLaunchAttributeClusterDimension;
+    attribute[count].val.clusterDim.x = cluster_x;
+    attribute[count].val.clusterDim.y = 1;
+    attribute[count].val.clusterDim.z = 1;
+    ++count;
+  }
   config.attrs = attribute;
-  config.numAttrs = programmatic ? 1 : 0;
+  config.numAttrs = count;
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 

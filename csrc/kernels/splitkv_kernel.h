@@ -115,8 +115,13 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   // table rows -0.45 %, small-batch rows -1 %; docs/PERF.md "Split kernel"). Not for several tiles: there it cost up to
   // +21 % (b = 1024, L = 512, h_q 128), probably because the tiles of one SM part read the same pages and find
   // them in L2 only if they start together, and CTAs scheduled one by one as the combine's CTAs leave do not.
+  // Sparse: the two row tiles of an SM part (h_q 128: the two 64-head halves, which gather the same tokens) are
+  // launched as a cluster of two, co-scheduled on one GPC; nothing else in the kernel changes (no cluster feature
+  // is used). H100, same process, order rotated: b = 1, h_q 128 rows 20.3 / 20.8 vs 21.6 / 22.0 us (s_q 1) and
+  // 23.1 / 23.5 vs 24.6 / 25.0 (s_q 2); b = 16 and b = 128 rows unchanged, the dense rows too (so they stay plain).
+  const int cluster_x = Traits::kSparse && params.num_row_tiles % 2 == 0 ? 2 : 1;
   launch_kernel(kernel, dim3(params.num_row_tiles, params.num_heads_k, params.num_sm_parts), dim3(Traits::kThreads),
-                Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, params);
+                Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, cluster_x, params);
 }
 
 FLASH_MLA_NAMESPACE_END  // flash_mla
