@@ -42,4 +42,34 @@ void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int sme
   cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
+// How many clusters of two CTAs of `kernel` (one CTA per SM) the current device keeps resident at once, for a grid
+// like `grid` paired along x; asked once per device (the answer depends on how the device's SMs are grouped, not on
+// the call). 0 if the query fails.
+template <class... KernelArgs>
+int max_active_pairs(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, int smem_bytes) {
+  constexpr int kMaxDevices = 64;
+  static int cached[kMaxDevices] = {};    // 0: not asked yet
+  int device = 0;
+  cudaGetDevice(&device);
+  if (device < kMaxDevices && cached[device] > 0) return cached[device];
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(2 * ((grid.x + 1) / 2), grid.y, grid.z);
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem_bytes;
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = 2;
+  attribute.val.clusterDim.y = 1;
+  attribute.val.clusterDim.z = 1;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    cudaGetLastError();    // not sticky: clear it, and launch without clusters
+    return 0;
+  }
+  if (device < kMaxDevices) cached[device] = clusters;
+  return clusters;
+}
+
 FLASH_MLA_NAMESPACE_END  // flash_mla

@@ -119,9 +119,16 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   // launched as a cluster of two, co-scheduled on one GPC; nothing else in the kernel changes (no cluster feature
   // is used). H100, same process, order rotated: b = 1, h_q 128 rows 20.3 / 20.8 vs 21.6 / 22.0 us (s_q 1) and
   // 23.1 / 23.5 vs 24.6 / 25.0 (s_q 2); b = 16 and b = 128 rows unchanged, the dense rows too (so they stay plain).
-  const int cluster_x = Traits::kSparse && params.num_row_tiles % 2 == 0 ? 2 : 1;
-  launch_kernel(kernel, dim3(params.num_row_tiles, params.num_heads_k, params.num_sm_parts), dim3(Traits::kThreads),
-                Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, cluster_x, params);
+  // Only where the device keeps every pair of the plan's grid resident at once (the plan fills the SMs with one
+  // wave of CTAs; SPEC "Kernels"): else the same grid without clusters.
+  const dim3 grid(params.num_row_tiles, params.num_heads_k, params.num_sm_parts), block(Traits::kThreads);
+  int cluster_x = 1;
+  if (Traits::kSparse && params.num_row_tiles % 2 == 0) {
+    const int pairs = static_cast<int>(grid.x * grid.y * grid.z / 2);
+    if (max_active_pairs(kernel, grid, block, Traits::kSmemBytes) >= pairs) cluster_x = 2;
+  }
+  launch_kernel(kernel, grid, block, Traits::kSmemBytes, stream, /*programmatic=*/params.num_row_tiles == 1, cluster_x,
+                params);
 }
 
 FLASH_MLA_NAMESPACE_END  // flash_mla
