@@ -24,6 +24,9 @@ import shutil
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from row_workload import add_row_arguments, kinds_for, row_workload
+
 # Per label: the ncu metric and how a value is shown: a factor, or relative to the cache the call must read.
 PER_CACHE_BYTE, PER_CACHE_SECTOR = "per cache byte", "per cache sector"
 METRICS = {
@@ -103,22 +106,8 @@ PIPE_METRICS.update({
 def child(args):
     """Inside ncu: build the workload, run each implementation once warm, once profiled."""
     import torch
-    sys.path.insert(0, os.path.abspath(args.anchors))
-    import sxs
-    if args.sparse:     # bt carries the indices, seqlens is unused
-        q, ks, bt = sxs.make_sparse_workload(args.b, args.s_q, args.h_q, args.topk, seed=1)
-        seqlens, causal = None, False
-        impls = {"flash_mla": sxs.FlashMLASparse, "head": sxs.AnchorHeadSparse}
-    else:
-        lens = [args.mean] * args.b
-        q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
-        causal = True
-        impls = {"flash_mla": sxs.FlashMLAFp8 if args.fp8 else sxs.FlashMLA, "v1": sxs.AnchorV1,
-                 "head": sxs.AnchorHead}
-    for name in args.impls.split(","):
-        impl = impls[name]()
-        if args.fp8 and name == "flash_mla":
-            impl.prepare(q, ks[:1])
+    q, ks, bt, seqlens, causal, impls = row_workload(args, prepared_copies=1)
+    for impl in impls.values():
         plan = impl.plan(q, ks[0], bt, seqlens, causal)
         impl.decode(q, ks[0], bt, seqlens, plan, causal)
         torch.cuda.synchronize()
@@ -190,15 +179,7 @@ def parent(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--anchors", default=".anchors", help="folder with sxs.py and the anchors")
-    ap.add_argument("--impls", default="flash_mla,head")
-    ap.add_argument("--b", type=int, default=128)
-    ap.add_argument("--mean", type=int, default=8192)
-    ap.add_argument("--h-q", type=int, default=128)
-    ap.add_argument("--s-q", type=int, default=2)
-    ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding (the referee's --sparse workload)")
-    ap.add_argument("--fp8", action="store_true", help="flash_mla's FP8 path against the anchors' bf16")
-    ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
+    add_row_arguments(ap)
     ap.add_argument("--raw", default=None, help="write ncu's raw CSV here")
     ap.add_argument("--stalls", action="store_true", help="also the other stall reasons (STALL_METRICS)")
     ap.add_argument("--smem", action="store_true", help="also the shared-memory banks, WGMMA count")
@@ -207,6 +188,7 @@ def main():
     ap.add_argument("--pipes", action="store_true", help="also the instructions per execution pipe")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    kinds_for(args)    # a wrong --impls or flag combination fails before ncu starts
     (child if args.child else parent)(args)
 
 

@@ -2,6 +2,7 @@
 
     python benchmarks/power_row.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
     python benchmarks/power_row.py --anchors .anchors --sparse --h-q 128 --s-q 2 --seconds 3
+    python benchmarks/power_row.py --anchors .anchors --fp8 --h-q 16 --s-q 1      # flash_mla's FP8 path
 
 The referee times each implementation for ~0.1 s after a pause. On the H100 the compute-bound rows draw the board's
 ~700 W limit: the SM clock falls from 1.98 GHz to 1.3-1.8 GHz within a run (nvidia-smi reports the software power
@@ -22,6 +23,9 @@ import os
 import subprocess
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from row_workload import add_row_arguments, row_label, row_workload
 
 FULL_CLOCK_MHZ = 1980.0
 
@@ -53,30 +57,14 @@ def window_means(samples, start, end):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--anchors", default=".anchors", help="folder with sxs.py and the anchors")
-    ap.add_argument("--impls", default="flash_mla,head")
-    ap.add_argument("--b", type=int, default=128)
-    ap.add_argument("--mean", type=int, default=8192)
-    ap.add_argument("--h-q", type=int, default=128)
-    ap.add_argument("--s-q", type=int, default=2)
-    ap.add_argument("--sparse", action="store_true", help="the referee's sparse FP8 workload (topk 2048)")
+    add_row_arguments(ap)
     ap.add_argument("--seconds", type=float, default=3.0, help="replay time per implementation and pass")
     ap.add_argument("--settle", type=float, default=1.0, help="seconds dropped at the start of each replay")
     args = ap.parse_args()
 
     import torch
-    sys.path.insert(0, os.path.abspath(args.anchors))
-    import sxs
-    if args.sparse:
-        q, ks, bt = sxs.make_sparse_workload(args.b, args.s_q, args.h_q, 2048, seed=1)
-        seqlens, causal = None, False
-        kinds = {"flash_mla": sxs.FlashMLASparse, "head": sxs.AnchorHeadSparse}
-    else:
-        q, ks, bt, seqlens = sxs.make_workload([args.mean] * args.b, args.s_q, args.h_q, 1, seed=1)
-        causal = True
-        kinds = {"flash_mla": sxs.FlashMLA, "v1": sxs.AnchorV1, "head": sxs.AnchorHead}
-    names = args.impls.split(",")
-    impls = {name: kinds[name]() for name in names}
+    q, ks, bt, seqlens, causal, impls = row_workload(args)
+    names = list(impls)
 
     def capture(impl):
         """The referee's graph (sxs.time_graph): planned and captured just before its replays, since the anchors'
@@ -123,10 +111,8 @@ def main():
     smi.terminate()
     samples = parse_samples(smi.communicate()[0])
 
-    label = (f"sparse b={args.b} topk=2048 h={args.h_q} s={args.s_q}" if args.sparse
-             else f"b={args.b} L={args.mean}f h={args.h_q} s={args.s_q}")
-    print(f"# {torch.cuda.get_device_name()}: {label}; {args.seconds:g} s per implementation and pass, the first "
-          f"{args.settle:g} s dropped; mean of the given order and its reverse")
+    print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.seconds:g} s per implementation and pass, "
+          f"the first {args.settle:g} s dropped; mean of the given order and its reverse")
     print("impl,burst_us_per_call,us_per_call,sm_mhz,watts,mJ_per_call,us_at_1980MHz")
     for name in names:
         rows = []

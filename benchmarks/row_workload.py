@@ -1,0 +1,61 @@
+"""The one decoding row that benchmarks/ncu_row.py and benchmarks/power_row.py run: its arguments, its label and
+the referee's inputs and implementations for it (sxs.py in the anchors' folder builds them, as the referee does)."""
+import os
+import sys
+
+# Implementations by name: dense rows (flash_mla's FP8 path with --fp8) and sparse FP8 decoding.
+DENSE_KINDS = {"flash_mla": "FlashMLA", "v1": "AnchorV1", "head": "AnchorHead"}
+FP8_KINDS = {**DENSE_KINDS, "flash_mla": "FlashMLAFp8"}
+SPARSE_KINDS = {"flash_mla": "FlashMLASparse", "head": "AnchorHeadSparse"}
+
+
+def add_row_arguments(ap):
+    """The row's arguments, shared by both scripts."""
+    ap.add_argument("--anchors", default=".anchors", help="folder with sxs.py and the anchors")
+    ap.add_argument("--impls", default="flash_mla,head", help="comma-separated: flash_mla, v1, head")
+    ap.add_argument("--b", type=int, default=128)
+    ap.add_argument("--mean", type=int, default=8192, help="dense rows: every sequence's length")
+    ap.add_argument("--h-q", type=int, default=128)
+    ap.add_argument("--s-q", type=int, default=2)
+    ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding (the referee's --sparse workload)")
+    ap.add_argument("--fp8", action="store_true", help="flash_mla's FP8 path against the anchors' bf16")
+    ap.add_argument("--topk", type=int, default=2048, help="with --sparse: index slots per query token")
+
+
+def row_label(args):
+    if args.sparse:
+        return f"sparse b={args.b} topk={args.topk} h={args.h_q} s={args.s_q}"
+    return f"b={args.b} L={args.mean}f h={args.h_q} s={args.s_q}" + (" (flash_mla fp8)" if args.fp8 else "")
+
+
+def kinds_for(args):
+    """Class names in sxs.py of the implementations the row can run, by name."""
+    if args.sparse and args.fp8:
+        raise SystemExit("--sparse and --fp8: the sparse cache is FP8 already; give one of them")
+    kinds = SPARSE_KINDS if args.sparse else FP8_KINDS if args.fp8 else DENSE_KINDS
+    unknown = [name for name in args.impls.split(",") if name not in kinds]
+    if unknown:
+        raise SystemExit(f"--impls: {', '.join(unknown)} not known for this row (known: {', '.join(kinds)})")
+    return kinds
+
+
+def row_workload(args, prepared_copies=None):
+    """(q, ks, bt, seqlens, causal, impls): the referee's inputs for the row (pages in random order, N cache copies;
+    sparse: bt carries the indices, seqlens is None) and its implementations by name, in --impls order. flash_mla's
+    FP8 path quantises q and the first `prepared_copies` cache copies (None: all) once, as the referee does."""
+    kinds = kinds_for(args)
+    sys.path.insert(0, os.path.abspath(args.anchors))
+    import sxs
+    if args.sparse:
+        q, ks, bt = sxs.make_sparse_workload(args.b, args.s_q, args.h_q, args.topk, seed=1)
+        seqlens, causal = None, False
+    else:
+        q, ks, bt, seqlens = sxs.make_workload([args.mean] * args.b, args.s_q, args.h_q, 1, seed=1)
+        causal = True
+    impls = {}
+    for name in args.impls.split(","):
+        impl = getattr(sxs, kinds[name])()
+        if args.fp8 and name == "flash_mla":
+            impl.prepare(q, ks if prepared_copies is None else ks[:prepared_copies])
+        impls[name] = impl
+    return q, ks, bt, seqlens, causal, impls
