@@ -1,0 +1,114 @@
+"""Where one call's time goes, kernel by kernel, as the referee runs it: flash_mla and the anchors on one row.
+
+    python benchmarks/kernel_times.py --anchors .anchors --b 128 --mean 8192 --h-q 128 --s-q 2
+    python benchmarks/kernel_times.py --anchors .anchors --sparse --h-q 128 --s-q 1
+    python benchmarks/kernel_times.py --anchors .anchors --fp8 --h-q 16 --s-q 1
+
+Each implementation's CUDA graph (the referee's: N calls over N cache copies, so the pages come from DRAM while a
+split kernel's partial results are still in L2 for its combine) is replayed under torch.profiler, and its kernels
+are read back from CUPTI's records. Per kernel name, per call: how often it ran, its mean duration, and its mean
+*exposed* time, the part of it that ends after every kernel started before it had ended. With programmatic
+dependent launch a combine starts while its split kernel runs and waits for it, so its duration overstates it; the
+exposed time is what it adds to the call. `idle` is the time between one kernel's end and the next one's start.
+Unlike ncu (benchmarks/ncu_row.py), nothing is flushed or serialised.
+"""
+import argparse
+import os
+import sys
+from collections import defaultdict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from row_workload import add_row_arguments, row_label, row_workload
+
+
+def exposed_times(kernels):
+    """kernels: (name, start, end) sorted by start, one stream's. Per kernel (name, duration, exposed) and the idle
+    time: exposed = how far its end passes the latest end before it; idle = the gaps where no kernel ran."""
+    out, latest, idle = [], None, 0.0
+    for name, start, end in kernels:
+        if latest is None:
+            exposed = end - start
+        else:
+            idle += max(0.0, start - latest)
+            exposed = max(0.0, end - max(latest, start))
+        out.append((name, end - start, exposed))
+        latest = end if latest is None else max(latest, end)
+    return out, idle
+
+
+def summarise(kernels, calls):
+    """Per kernel name: (launches per call, mean us, exposed us per call), and the idle us per call, in the order
+    the names first ran."""
+    rows, idle = exposed_times(kernels)
+    per_name, order = defaultdict(lambda: [0, 0.0, 0.0]), []
+    for name, duration, exposed in rows:
+        if name not in per_name:
+            order.append(name)
+        entry = per_name[name]
+        entry[0] += 1
+        entry[1] += duration
+        entry[2] += exposed
+    return ([(name, per_name[name][0] / calls, per_name[name][1] / per_name[name][0], per_name[name][2] / calls)
+             for name in order], idle / calls)
+
+
+def short_name(name, width=60):
+    """A kernel's name without template arguments and parameters, to fit a table."""
+    base = name.split("(")[0]
+    depth, kept = 0, []
+    for ch in base:
+        depth += ch == "<"
+        if depth == 0:
+            kept.append(ch)
+        depth -= ch == ">"
+    text = "".join(kept).replace("void ", "").strip()
+    return text if len(text) <= width else "..." + text[-(width - 3):]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_row_arguments(ap)
+    ap.add_argument("--replays", type=int, default=4, help="graph replays profiled per implementation")
+    args = ap.parse_args()
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    q, ks, bt, seqlens, causal, impls = row_workload(args)
+    print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} graph replays per implementation; "
+          "us per call")
+    print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
+    for name, impl in impls.items():
+        plan = impl.plan(q, ks[0], bt, seqlens, causal)
+        calls = max(len(ks), 8)
+        for i in range(2):
+            impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal)
+        torch.cuda.synchronize()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            outs = [impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal) for i in range(calls)]
+        torch.cuda.current_stream().wait_stream(stream)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(args.replays):
+                graph.replay()
+            torch.cuda.synchronize()
+        kernels = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+        kernels.sort(key=lambda k: k[1])
+        if not kernels:
+            print(f"{name},no kernel records (CUPTI)")
+            continue
+        rows, idle = summarise(kernels, calls * args.replays)
+        for kernel, launches, mean_us, exposed_us in rows:
+            print(f"{name},{short_name(kernel)},{launches:.2f},{mean_us:.1f},{exposed_us:.1f}")
+        total = sum(r[3] for r in rows) + idle
+        print(f"{name},idle,,,{idle:.1f}")
+        print(f"{name},total,,,{total:.1f}")
+        del graph, outs
+
+
+if __name__ == "__main__":
+    main()
