@@ -54,7 +54,7 @@ def summarise(kernels, calls):
 
 def short_name(name, width=60):
     """A kernel's name without template arguments and parameters, to fit a table."""
-    base = name.split("(")[0]
+    base = name.replace("(anonymous namespace)::", "").split("(")[0]
     depth, kept = 0, []
     for ch in base:
         depth += ch == "<"

@@ -38,4 +38,6 @@ def test_summary_per_call_and_order():
 def test_short_name_drops_templates_and_arguments():
     name = "void flash_mla::splitkv_kernel<Traits<cutlass::bfloat16_t, 64> >(flash_mla::Params)"
     assert kernel_times.short_name(name) == "flash_mla::splitkv_kernel"
+    anonymous = "void flash_mla::m::(anonymous namespace)::mla_combine_kernel<cutlass::bfloat16_t>(flash_mla::Params)"
+    assert kernel_times.short_name(anonymous) == "flash_mla::m::mla_combine_kernel"
     assert kernel_times.short_name("x" * 100, width=20).startswith("...")
