@@ -11,8 +11,8 @@ outside the profiled range and one call inside it, then prints one column per ke
     python benchmarks/ncu_row.py --anchors .anchors --sparse --launch --pipes          # launch shape, pipes
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
-reasons; never the anchors' source or SASS), so it needs ncu on PATH and the referee's folder (sxs.py and the
-compressed anchors). `--fp8` runs flash_mla's FP8 path (q and cache quantised per tensor, as `sxs.py --fp8`)
+reasons; never the anchors' source or SASS; caches flushed before each kernel unless `--warm-caches`), so it
+needs ncu on PATH and the referee's folder (sxs.py and the compressed anchors). `--fp8` runs flash_mla's FP8 path (q and cache quantised per tensor, as `sxs.py --fp8`)
 against the anchors' bf16; byte and sector ratios are then per fp8 cache byte (576 per token), so a bf16 kernel
 reading its cache once shows 2. `--raw FILE` keeps ncu's CSV.
 """
@@ -77,6 +77,8 @@ L2_METRICS = {
     "L2 throughput (% of peak, elapsed)": ("lts__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
     "L2 sectors (% of peak, elapsed)": ("lts__t_sectors.avg.pct_of_peak_sustained_elapsed", 1.0),
     "DRAM throughput (% of peak, elapsed)": ("dram__throughput.avg.pct_of_peak_sustained_elapsed", 1.0),
+    "L2 hit rate of the SMs' reads (%)": ("lts__t_sector_op_read_hit_rate.pct", 1.0),
+    "DRAM bytes written / cache bytes": ("dram__bytes_write.sum", PER_CACHE_BYTE),
 }
 
 # `--launch`: the launch shape (threads, cluster, registers, shared memory), which a kernel's design shows.
@@ -138,6 +140,7 @@ def parent(args):
         print(f"# not known to this ncu: {', '.join(dropped)}")
     metrics = ",".join(m for m, _ in shown.values())
     cmd = [ncu, "--profile-from-start", "off", "--clock-control", "none", "--metrics", metrics, "--csv",
+           "--cache-control", "none" if args.warm_caches else "all",
            "--page", "raw", sys.executable, os.path.abspath(__file__), "--child"] + sys.argv[1:]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if args.raw:
@@ -186,6 +189,9 @@ def main():
     ap.add_argument("--l2", action="store_true", help="also all L2 reads, crossbar bytes to the SMs, L2 and DRAM load")
     ap.add_argument("--launch", action="store_true", help="also the launch shape (threads, cluster, registers, smem)")
     ap.add_argument("--pipes", action="store_true", help="also the instructions per execution pipe")
+    ap.add_argument("--warm-caches", action="store_true",
+                    help="keep L2 as the kernel before left it (ncu flushes it by default): a combine then finds the "
+                         "partial results its split kernel left in L2")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     kinds_for(args)    # a wrong --impls or flag combination fails before ncu starts
