@@ -175,6 +175,13 @@ __device__ __forceinline__ int warp_inclusive_scan(int x, int lane) {
 // Without the launch attribute it returns at once: the ordinary stream order already holds.
 __device__ __forceinline__ void wait_for_split_kernel() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 
+// gridDim.x read where it is used: held across the warp-item loop, ptxas spilled it (a value it could reload).
+__device__ __forceinline__ int grid_ctas() {
+  int ctas;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ctas));
+  return ctas;
+}
+
 __device__ __forceinline__ float lse_base(float max) { return max == -INFINITY ? 0.f : max; }
 
 __device__ __forceinline__ float finish_lse(LseState state) {
@@ -500,6 +507,56 @@ __device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot
   }
 }
 
+// The warp item of a sequence cut into two pieces (one whole row: slice_cols(2) = 512), what the split rows of large
+// batches are. The generic item above spends most of its instructions on what two pieces do not need (the row's lse
+// by warp reductions, piece loops, a discard test per float4), and the combine is bound by instruction issue, not
+// by bytes (H100, b = 128, h_q 128: ~585 instructions an item, IPC 1.2, the same time at 1, 2 or 3 CTAs an SM and
+// with twice the bytes in flight; docs/PERF.md "Combine"). Here each lane loads both lse values and its four float4
+// of each piece at once and computes the row's lse itself (the generic item's formula); once every lane has used
+// its loads, lane l discards line l of the item's 32 partial lines.
+template <class Element>
+__device__ void combine_two_pieces(const DecodeParams& p, int seq, int first_slot, int local_item, int lane) {
+  constexpr int kVecs = kHeadDimV / 4 / kWarpSize;                           // 4 float4 a lane and piece
+  const int kv_head = p.num_heads_k == 1 ? 0 : local_item / p.rows_per_kv;
+  const int row = local_item - kv_head * p.rows_per_kv;                      // packed query row
+  const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+  const int64_t piece_rows = int64_t(p.num_heads_k) * p.rows_per_kv;        // workspace rows from piece 0 to 1
+  const int64_t row0 = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
+  const float* partial0 = p.o_partial + row0 * kHeadDimV;                    // (512) piece 0's row
+  const float* partial1 = partial0 + piece_rows * kHeadDimV;                 // (512) piece 1's row
+
+  // ---- every load of the item at once ----------------------------------------------------------------------------
+  const float lse0 = __ldcg(p.lse_partial + row0), lse1 = __ldcg(p.lse_partial + row0 + piece_rows);
+  float4 o0[kVecs], o1[kVecs];                                               // (VEC): float4 v * 32 + lane
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    o0[v] = __ldcg(reinterpret_cast<const float4*>(partial0) + v * kWarpSize + lane);
+    o1[v] = __ldcg(reinterpret_cast<const float4*>(partial1) + v * kWarpSize + lane);
+  }
+  const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
+
+  // ---- lse = log(e^lse0 + e^lse1); out = e^(lse0 - lse) O_0 + e^(lse1 - lse) O_1 ---------------------------------
+  const float max = fmaxf(lse0, lse1);                                       // NaN ignored here, kept by the sum
+  const float base = lse_base(max);
+  const float lse = finish_lse({max, __expf(lse0 - base) + __expf(lse1 - base)});
+  // acc = w1 O_1 + w0 O_0, into o0's registers; a row with no key in either piece keeps out 0
+  const bool saw_key = lse != -INFINITY;
+  const float w0 = saw_key ? __expf(lse0 - lse) : 0.f, w1 = saw_key ? __expf(lse1 - lse) : 0.f;
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) {
+    o0[v].x = fmaf(w1, o1[v].x, w0 * o0[v].x); o0[v].y = fmaf(w1, o1[v].y, w0 * o0[v].y);
+    o0[v].z = fmaf(w1, o1[v].z, w0 * o0[v].z); o0[v].w = fmaf(w1, o1[v].w, w0 * o0[v].w);
+  }
+
+  // ---- dead partial lines out of L2 (drop_if_line_start's reason): every lane has used its loads -----------------
+  __syncwarp();
+  const float* line = (lane < kWarpSize / 2 ? partial0 : partial1) + lane % (kWarpSize / 2) * 32;
+  if ((reinterpret_cast<uintptr_t>(line) & 127) == 0) asm volatile("discard.global.L2 [%0], 128;" ::"l"(line) : "memory");
+
+  store_row<Element, kVecs>(p, seq, kv_head, row, 0, kWarpSize, lane, o0, lse, sink, lane == 0);
+}
+static_assert(slice_cols(2) == kHeadDimV && slice_cols(3) < kHeadDimV, "two pieces, and only two, make 512-column items");
+
 template <class Element>
 __global__ void __launch_bounds__(kCombineThreads, kCombineMinCtasPerSm)
 mla_combine_kernel(const __grid_constant__ DecodeParams p) {
@@ -532,15 +589,14 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
 
   // ---- 3b. warp items (sequences of few pieces), grid-strided over warps; branches uniform across the warp -----
   const int lane = threadIdx.x % kWarpSize;
-  const int total_warps = gridDim.x * kCombineWarps;
 #pragma unroll 1
   for (int item = blockIdx.x * kCombineWarps + threadIdx.x / kWarpSize; item < list.total_warp_items;
-       item += total_warps) {
+       item += grid_ctas() * kCombineWarps) {
     const int entry = entry_of_item(list, list.first_warp_item, item);
     const int seq = list.seq[entry], first_slot = list.first_slot[entry], num_pieces = list.num_pieces[entry];
     const int local_item = item - list.first_warp_item[entry];
     switch (list.item_cols[entry]) {
-      case 512: combine_warp_item<Element, 512>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 512: combine_two_pieces<Element>(p, seq, first_slot, local_item, lane); break;
       case 256: combine_warp_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 128: combine_warp_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
       case 64: combine_warp_item<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
