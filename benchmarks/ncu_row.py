@@ -12,9 +12,9 @@ outside the profiled range and one call inside it, then prints one column per ke
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS; caches flushed before each kernel unless `--warm-caches`), so it
-needs ncu on PATH and the referee's folder (sxs.py and the compressed anchors). `--fp8` runs flash_mla's FP8 path (q and cache quantised per tensor, as `sxs.py --fp8`)
-against the anchors' bf16; byte and sector ratios are then per fp8 cache byte (576 per token), so a bf16 kernel
-reading its cache once shows 2. `--raw FILE` keeps ncu's CSV.
+needs ncu on PATH and the referee's folder (sxs.py and the compressed anchors). `--fp8` runs flash_mla's FP8 path
+(q and cache quantised per tensor, as `sxs.py --fp8`) against the anchors' bf16; byte and sector ratios are then per
+fp8 cache byte (576 per token), so a bf16 kernel reading its cache once shows 2. `--raw FILE` keeps ncu's CSV.
 """
 import argparse
 import csv

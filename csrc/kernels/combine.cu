@@ -20,7 +20,9 @@
 //      pieces per lane); n = 16: 64 columns, 2 piece groups of 16 lanes; n = 32: 32 columns, 4 groups of 8.
 //      Lanes are (piece group) x (column lane), group g takes pieces g, g + groups, ...; the lanes compute the
 //      row's lse themselves (n loads strided over the warp) and sum the groups with xor shuffles. No barrier:
-//      a CTA's warps run unrelated items.
+//      a CTA's warps run unrelated items. n = 2 (the split rows of large batches) has a lean item of its own
+//      (combine_two_pieces: each lane holds both lse values, no shuffles, one discard a lane): the combine is bound
+//      by instruction issue, and it took b = 128, h_q 128 from 17.0 to 14.1 us after the split kernel.
 //   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64, 128 or 256
 //      columns: cta_item_cols, by the rows and the grid); its piece groups (16, 8 or 4) of columns / 4 threads (a
 //      float4 each) take pieces g, g + groups, ..., 8 loads in flight per thread per round; the 8 warps' lse
