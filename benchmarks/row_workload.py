@@ -1,5 +1,6 @@
-"""The one decoding row that benchmarks/ncu_row.py and benchmarks/power_row.py run: its arguments, its label and
-the referee's inputs and implementations for it (sxs.py in the anchors' folder builds them, as the referee does)."""
+"""The one decoding row that benchmarks/ncu_row.py, power_row.py and kernel_times.py run: its arguments, its label
+and the referee's inputs and implementations for it (sxs.py in the anchors' folder builds them, as the referee
+does)."""
 import os
 import sys
 

@@ -1,5 +1,6 @@
-"""benchmarks/row_workload.py (the row that ncu_row.py and power_row.py run), on the CPU with a stand-in for the
-referee's sxs.py: which inputs and implementations each flag combination gets, and what is refused."""
+"""benchmarks/row_workload.py (the row that ncu_row.py, power_row.py and kernel_times.py run), on the CPU with a
+stand-in for the referee's sxs.py: which inputs and implementations each flag combination gets, and what is
+refused."""
 import argparse
 import os
 import sys
@@ -8,6 +9,7 @@ import textwrap
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import kernel_times
 import ncu_row
 import power_row
 import row_workload
@@ -89,6 +91,6 @@ def test_refused_rows(anchors, argv, words):
         row_workload.row_workload(parse("--anchors", anchors, *argv))
 
 
-def test_both_scripts_take_the_row_arguments():
-    for script in (ncu_row, power_row):
+def test_the_scripts_take_the_row_arguments():
+    for script in (ncu_row, power_row, kernel_times):
         assert script.add_row_arguments is row_workload.add_row_arguments
