@@ -18,7 +18,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_workload import add_row_arguments, row_label, row_workload
+from row_workload import add_row_arguments, capture_graph, row_label, row_workload
 
 
 def exposed_times(kernels):
@@ -78,26 +78,17 @@ def main():
           "us per call")
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
     for name, impl in impls.items():
-        plan = impl.plan(q, ks[0], bt, seqlens, causal)
-        calls = max(len(ks), 8)
-        for i in range(2):
-            impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            outs = [impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal) for i in range(calls)]
-        torch.cuda.current_stream().wait_stream(stream)
-        for _ in range(3):
+        graph, calls, outs = capture_graph(impl, q, ks, bt, seqlens, causal)
+        for _ in range(2):
             graph.replay()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.replays):
                 graph.replay()
             torch.cuda.synchronize()
-        kernels = sorted((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-                         if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
-        kernels.sort(key=lambda k: k[1])
+        kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
+                         key=lambda k: k[1])
         if not kernels:
             print(f"{name},no kernel records (CUPTI)")
             continue

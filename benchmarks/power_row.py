@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_workload import add_row_arguments, row_label, row_workload
+from row_workload import add_row_arguments, capture_graph, row_label, row_workload
 
 FULL_CLOCK_MHZ = 1980.0
 
@@ -66,29 +66,12 @@ def main():
     q, ks, bt, seqlens, causal, impls = row_workload(args)
     names = list(impls)
 
-    def capture(impl):
-        """The referee's graph (sxs.time_graph): planned and captured just before its replays, since the anchors'
-        plans share state between calls (a v1 plan made before head's failed its split-count assert)."""
-        plan = impl.plan(q, ks[0], bt, seqlens, causal)
-        calls = max(len(ks), 8)
-        for i in range(2):
-            impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal)
-        torch.cuda.synchronize()
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            outs = [impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal) for i in range(calls)]
-        torch.cuda.current_stream().wait_stream(stream)
-        graph.replay()
-        torch.cuda.synchronize()
-        return graph, calls, outs
-
     smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,clocks.sm,power.draw",
                             "--format=csv,noheader,nounits", "-lms", "50"], stdout=subprocess.PIPE, text=True)
     windows = []     # (name, start, end, seconds per call over the steady part, seconds per call in the burst)
     for order in (names, names[::-1]):
         for name in order:
-            graph, calls, outs = capture(impls[name])
+            graph, calls, outs = capture_graph(impls[name], q, ks, bt, seqlens, causal)
             time.sleep(1.0)     # the same pause before each implementation
             burst_start = time.perf_counter()
             for _ in range(12):    # the referee's 12 timed replays, right after a pause

@@ -11,7 +11,7 @@ SPARSE_KINDS = {"flash_mla": "FlashMLASparse", "head": "AnchorHeadSparse"}
 
 
 def add_row_arguments(ap):
-    """The row's arguments, shared by both scripts."""
+    """The row's arguments, shared by the scripts that run it."""
     ap.add_argument("--anchors", default=".anchors", help="folder with sxs.py and the anchors")
     ap.add_argument("--impls", default="flash_mla,head", help="comma-separated: flash_mla, v1, head")
     ap.add_argument("--b", type=int, default=128)
@@ -60,3 +60,23 @@ def row_workload(args, prepared_copies=None):
             impl.prepare(q, ks if prepared_copies is None else ks[:prepared_copies])
         impls[name] = impl
     return q, ks, bt, seqlens, causal, impls
+
+
+def capture_graph(impl, q, ks, bt, seqlens, causal):
+    """(graph, calls, outs): the referee's graph for one implementation (sxs.time_graph: N calls over N cache
+    copies), planned and captured just before its replays, since the anchors' plans share state between calls (a v1
+    plan made before head's failed its split-count assert); replayed once. Keep `outs` alive while replaying."""
+    import torch
+    plan = impl.plan(q, ks[0], bt, seqlens, causal)
+    calls = max(len(ks), 8)
+    for i in range(2):
+        impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal)
+    torch.cuda.synchronize()
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        outs = [impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal) for i in range(calls)]
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph, calls, outs
