@@ -18,11 +18,13 @@
 //      one warp = (packed query row, slice of kCols columns), kCols = the widest power of two with
 //      n x kCols x 4 B <= 4 KiB, i.e. 8 float4 per lane, one round of loads: n = 2: 512 columns (4 float4 x 2
 //      pieces per lane); n = 16: 64 columns, 2 piece groups of 16 lanes; n = 32: 32 columns, 4 groups of 8.
-//      Lanes are (piece group) x (column lane), group g takes pieces g, g + groups, ...; the lanes compute the
-//      row's lse themselves (n loads strided over the warp) and sum the groups with xor shuffles. No barrier:
-//      a CTA's warps run unrelated items. n = 2 (the split rows of large batches) has a lean item of its own
-//      (combine_two_pieces: each lane holds both lse values, no shuffles, one discard a lane): the combine is bound
-//      by instruction issue, and it took b = 128, h_q 128 from 17.0 to 14.1 us after the split kernel.
+//      Lanes are (piece group) x (column lane), group g takes pieces g, g + groups, ...; every load of the item is
+//      issued at once (O_k with lse_k), each lane forms the lse state of its own pieces and merges it across the
+//      groups with xor shuffles (log2(groups) steps), and the same tree sums the weighted O. No barrier: a CTA's
+//      warps run unrelated items. n = 2 (the split rows of large batches) has a lean item of its own
+//      (combine_two_pieces: each lane holds both lse values, no shuffles). The combine is bound by instruction issue
+//      (docs/PERF.md "Combine"): the lean items took b = 128, h_q 128 from 17.0 to 14.1 us after the split kernel,
+//      b = 4, L = 32k (16-32 pieces) from 10.2 to 6.8 us.
 //   CTA items (n > 32; few rows, many pieces: b = 1 cut ~128 ways): one CTA = (packed row, 64, 128 or 256
 //      columns: cta_item_cols, by the rows and the grid); its piece groups (16, 8 or 4) of columns / 4 threads (a
 //      float4 each) take pieces g, g + groups, ..., 8 loads in flight per thread per round; the 8 warps' lse
@@ -42,8 +44,8 @@
 //   2. griddepcontrol.wait, by every CTA: from here on the split kernel's results are complete and visible, and
 //      this grid cannot complete before the split kernel.
 //   3. CTA items i = blockIdx.x, + gridDim.x, ...; then warp items w = global warp index, + all warps, ... Each
-//      item: the loads of its first batch of pieces (O_k and lse_k: they do not need the row's lse), the row's lse,
-//      the weighted sum over the thread's pieces, the groups' sums, the sink, the stores of out and lse.
+//      item: the loads of its (first batch of) pieces (O_k and lse_k: they do not need the row's lse), the row's
+//      lse, the weighted sum over the thread's pieces, the groups' sums, the sink, the stores of out and lse.
 // Deterministic: every sum has a fixed order (a thread's pieces in order, xor-shuffle trees, warp order, group
 // order), whichever CTA or warp runs an item; no atomics. Semantics kept from the split kernel: a row with no key
 // in any piece gets out 0, lse -inf; a NaN lse_k makes the row's lse and out NaN (never mistaken for "no key").
@@ -182,6 +184,14 @@ __device__ __forceinline__ int grid_ctas() {
   int ctas;
   asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(ctas));
   return ctas;
+}
+
+// The lane index read where it is used: values derived from it in one item kind were hoisted to the kernel's top
+// and spilled across the other kinds' peaks.
+__device__ __forceinline__ int lane_here() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
 }
 
 __device__ __forceinline__ float lse_base(float max) { return max == -INFINITY ? 0.f : max; }
@@ -468,11 +478,16 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   __syncthreads();    // the next item reuses the shared memory
 }
 
-// One warp item: `local_item` of the sequence's items (KV-head major, then packed row, then column slice).
+// One warp item: `local_item` of the sequence's items (KV-head major, then packed row, then column slice). A warp item
+// always takes one round of loads (slice_cols: n <= kBatch x kGroups), so every lane loads its pieces group, group +
+// kGroups, ... (< n) at once, forms the lse state of its pieces itself and merges it across the groups, which the
+// same xor tree then does for the weighted sums; once every lane has used its loads, lane l discards line l of the
+// item's n x kCols x 4 / 128 <= 32 partial lines.
 template <class Element, int kCols>
-__device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item,
-                                  int lane) {
+__device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot, int num_pieces, int local_item) {
   using Shape = SliceShape<kCols>;
+  const int lane = lane_here();
+  constexpr int kBatch = Shape::kBatch, kVecs = Shape::kVecs, kGroups = Shape::kGroups;
   const int col_lane = lane % Shape::kColLanes;
   const int group = lane / Shape::kColLanes;
   const int per_head = p.rows_per_kv * Shape::kSlices;
@@ -480,34 +495,85 @@ __device__ void combine_warp_item(const DecodeParams& p, int seq, int first_slot
   const int row = local_item % per_head / Shape::kSlices;            // packed query row
   const int slice = local_item % Shape::kSlices;
   const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+  const int64_t piece_rows = int64_t(p.num_heads_k) * p.rows_per_kv;           // workspace rows between pieces
+  const int64_t row0 = (int64_t(first_slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
+  const float* slice0 = p.o_partial + row0 * kHeadDimV + slice * kCols;        // (kCols) piece 0's slice
+  constexpr int kLinesPerPiece = kCols * 4 / 128;
+  const bool drops_line = lane < num_pieces * kLinesPerPiece;                  // line l of the item is lane l's
+  const float* dead_line = slice0 + (drops_line ? lane / kLinesPerPiece * piece_rows * kHeadDimV : 0) +
+                           lane % kLinesPerPiece * 32;
 
-  // ---- first batch of this lane's pieces, before the row's lse is known -----------------------------------------
-  PieceReader<Shape::kBatch, Shape::kVecs, Shape::kGroups, Shape::kColLanes> reader(
-      p, first_slot, num_pieces, kv_head, row, slice * kCols, col_lane, group);
-  reader.load(group);
+  // ---- every load of the item at once: this lane's pieces k = group + i * kGroups < n ---------------------------
+  float o_lse[kBatch];                                                         // (PIECE)
+  float4 o[kBatch][kVecs];                                                     // (PIECE, VEC): float4 v * lanes + col
+  {
+    const int64_t step = kGroups * piece_rows;                                 // rows from one of my pieces to the next
+    const float* lse_k = p.lse_partial + row0 + group * piece_rows;
+    const float4* o_k = reinterpret_cast<const float4*>(slice0 + group * piece_rows * kHeadDimV) + col_lane;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i, lse_k += step, o_k += step * (kHeadDimV / 4)) {
+      const bool present = group + i * kGroups < num_pieces;
+      o_lse[i] = present ? __ldcg(lse_k) : -INFINITY;
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        o[i][v] = present ? __ldcg(o_k + v * Shape::kColLanes) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+  }
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
 
-  // ---- the row's lse over all its pieces (every lane gets the same bits) -------------------------------------------
-  const float lse = finish_lse(warp_lse_state(reader.piece_lse, reader.piece_stride, num_pieces, 0, kWarpSize, lane));
+  // ---- the row's lse: this lane's pieces, then the groups (every lane ends with the same bits) -----------------
+  float max = o_lse[0];
+#pragma unroll
+  for (int i = 1; i < kBatch; ++i) max = fmaxf(max, o_lse[i]);                // NaN ignored here, kept by the sum
+#pragma unroll
+  for (int offset = Shape::kColLanes; offset < kWarpSize; offset *= 2) {
+    max = fmaxf(max, __shfl_xor_sync(kFullMask, max, offset));
+  }
+  const float base = lse_base(max);
+  float sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < kBatch; ++i) sum += __expf(o_lse[i] - base);            // absent pieces (-inf) add 0
+#pragma unroll
+  for (int offset = Shape::kColLanes; offset < kWarpSize; offset *= 2) sum += __shfl_xor_sync(kFullMask, sum, offset);
+  const float lse = finish_lse({max, sum});
 
   // ---- out = sum_k exp(lse_k - lse) O_k: this lane's pieces in order, then the groups (xor tree) ----------------
-  float4 acc[Shape::kVecs];
-  reader.accumulate(lse, acc);
+  float4 acc[kVecs];
+#pragma unroll
+  for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (lse != -INFINITY) {                                                      // no key in any piece: out 0
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const float w = __expf(o_lse[i] - lse);                                  // absent pieces: 0 x 0
+#pragma unroll
+      for (int v = 0; v < kVecs; ++v) add_weighted(acc[v], w, o[i][v]);
+    }
+  }
 #pragma unroll
   for (int offset = Shape::kColLanes; offset < kWarpSize; offset *= 2) {
 #pragma unroll
-    for (int v = 0; v < Shape::kVecs; ++v) {
+    for (int v = 0; v < kVecs; ++v) {
       acc[v].x += __shfl_xor_sync(kFullMask, acc[v].x, offset); acc[v].y += __shfl_xor_sync(kFullMask, acc[v].y, offset);
       acc[v].z += __shfl_xor_sync(kFullMask, acc[v].z, offset); acc[v].w += __shfl_xor_sync(kFullMask, acc[v].w, offset);
     }
   }
 
+  // ---- dead partial lines out of L2 (drop_if_line_start's reason): every lane has used its loads -----------------
+  __syncwarp();
+  if (drops_line && (reinterpret_cast<uintptr_t>(dead_line) & 127) == 0) {
+    asm volatile("discard.global.L2 [%0], 128;" ::"l"(dead_line) : "memory");
+  }
+
   // ---- sink, convert, store (group 0's lanes; lane 0 of slice 0 writes the lse) ---------------------------------
   if (group == 0) {
-    store_row<Element, Shape::kVecs>(p, seq, kv_head, row, slice * kCols, Shape::kColLanes, col_lane, acc, lse, sink,
-                                     slice == 0 && lane == 0);
+    store_row<Element, kVecs>(p, seq, kv_head, row, slice * kCols, Shape::kColLanes, col_lane, acc, lse, sink,
+                              slice == 0 && lane == 0);
   }
 }
+static_assert(kWarpItemMaxPieces * slice_cols(kWarpItemMaxPieces) * 4 <= kWarpSize * 128 &&
+              SliceShape<32>::kBatch * SliceShape<32>::kGroups >= kWarpItemMaxPieces,
+              "a warp item's pieces fit one round of loads and 32 partial lines");
 
 // The warp item of a sequence cut into two pieces (one whole row: slice_cols(2) = 512), what the split rows of large
 // batches are. The generic item above spends most of its instructions on what two pieces do not need (the row's lse
@@ -599,10 +665,10 @@ mla_combine_kernel(const __grid_constant__ DecodeParams p) {
     const int local_item = item - list.first_warp_item[entry];
     switch (list.item_cols[entry]) {
       case 512: combine_two_pieces<Element>(p, seq, first_slot, local_item, lane); break;
-      case 256: combine_warp_item<Element, 256>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 128: combine_warp_item<Element, 128>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      case 64: combine_warp_item<Element, 64>(p, seq, first_slot, num_pieces, local_item, lane); break;
-      default: combine_warp_item<Element, 32>(p, seq, first_slot, num_pieces, local_item, lane); break;
+      case 256: combine_warp_item<Element, 256>(p, seq, first_slot, num_pieces, local_item); break;
+      case 128: combine_warp_item<Element, 128>(p, seq, first_slot, num_pieces, local_item); break;
+      case 64: combine_warp_item<Element, 64>(p, seq, first_slot, num_pieces, local_item); break;
+      default: combine_warp_item<Element, 32>(p, seq, first_slot, num_pieces, local_item); break;
     }
   }
 }
