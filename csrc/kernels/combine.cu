@@ -211,12 +211,12 @@ __device__ __forceinline__ LseState merge(LseState a, LseState b) {
   return {max, rebased_sum(a, max) + rebased_sum(b, max)};
 }
 
-// LseState of pieces first + lane, first + lane + step, ... (< num_pieces) of one row, reduced over the warp;
-// every lane returns the same bits. piece_lse[k * piece_stride] is piece k's lse.
+// LseState of pieces first + lane, first + lane + step, ... (< num_pieces) of one row, reduced over the warp (one
+// warp of a CTA item); every lane returns the same bits. piece_lse[k * piece_stride] is piece k's lse.
 __device__ LseState warp_lse_state(const float* piece_lse, int64_t piece_stride, int num_pieces, int first, int step,
                                    int lane) {
   // The first piece of each lane is loaded once and kept for the second pass; more pieces than one per lane (more
-  // than 32 for a warp item, 256 for a CTA item) are read again.
+  // than 256 for a CTA item) are read again.
   const int k0 = first + lane;
   const float held = k0 < num_pieces ? __ldcg(piece_lse + k0 * piece_stride) : -INFINITY;
   float max = held;
@@ -254,16 +254,16 @@ __device__ __forceinline__ void add_weighted(float4& acc, float w, const float4&
   acc.x = fmaf(w, o.x, acc.x); acc.y = fmaf(w, o.y, acc.y); acc.z = fmaf(w, o.z, acc.z); acc.w = fmaf(w, o.w, acc.w);
 }
 
-// One thread's share of one packed row's partials: pieces group, group + kGroups, ... and kVecs float4 columns
-// (col0 / 4 + col_lane + v * kColStride) of each, read kBatch pieces at a time. Both item kinds use it; they
-// differ in how many groups and columns a thread's row share has.
-template <int kBatch, int kVecs, int kGroups, int kColStride>
+// One CTA item thread's share of one packed row's partials: pieces group, group + kGroups, ... and one float4
+// column (col0 / 4 + col_lane) of each, read kBatch pieces at a time. (Warp items load all their pieces at once
+// themselves: combine_warp_item.)
+template <int kBatch, int kGroups>
 struct PieceReader {
   const float* piece_lse;       // [k * piece_stride]: piece k's lse of the row
-  const float4* piece_o;        // [k * piece_o_stride + v * kColStride]: this thread's float4 v of piece k
+  const float4* piece_o;        // [k * piece_o_stride]: this thread's float4 of piece k
   int64_t piece_stride, piece_o_stride;
   int num_pieces, group;
-  float4 o[kBatch][kVecs];      // (PIECE, VEC): the batch in flight
+  float4 o[kBatch];             // (PIECE): the batch in flight
   float o_lse[kBatch];
 
   // Partial row `row` of piece k is row ((first_slot + k) * h_kv + kv_head) * rows_per_kv + row of the workspace.
@@ -284,16 +284,14 @@ struct PieceReader {
     for (int i = 0; i < kBatch; ++i) {
       const int k = min(first + i * kGroups, num_pieces - 1);
       o_lse[i] = __ldcg(piece_lse + k * piece_stride);
-#pragma unroll
-      for (int v = 0; v < kVecs; ++v) o[i][v] = __ldcg(piece_o + k * piece_o_stride + v * kColStride);
+      o[i] = __ldcg(piece_o + k * piece_o_stride);
     }
   }
 
   // acc = sum over this thread's pieces, in order, of exp(lse_k - lse) O_k; the first batch (load(group)) was
   // issued before the row's lse was known. A row with no key (lse -inf) keeps acc 0.
-  __device__ void accumulate(float lse, float4 (&acc)[kVecs]) {
-#pragma unroll
-    for (int v = 0; v < kVecs; ++v) acc[v] = make_float4(0.f, 0.f, 0.f, 0.f);
+  __device__ void accumulate(float lse, float4& acc) {
+    acc = make_float4(0.f, 0.f, 0.f, 0.f);
     if (lse == -INFINITY) return;
 #pragma unroll 1
     for (int first = group; first < num_pieces; first += kBatch * kGroups) {
@@ -302,12 +300,8 @@ struct PieceReader {
       for (int i = 0; i < kBatch; ++i) {
         const int k = first + i * kGroups;
         if (k < num_pieces) {
-          const float w = __expf(o_lse[i] - lse);
-#pragma unroll
-          for (int v = 0; v < kVecs; ++v) {
-            add_weighted(acc[v], w, o[i][v]);
-            drop_if_line_start(piece_o + k * piece_o_stride + v * kColStride, o[i][v]);
-          }
+          add_weighted(acc, __expf(o_lse[i] - lse), o[i]);
+          drop_if_line_start(piece_o + k * piece_o_stride, o[i]);
         }
       }
     }
@@ -445,8 +439,8 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   const int chunk = local_item % Tile::kChunks;
 
   // ---- first batch of this thread's pieces, before the row's lse is known ---------------------------------------
-  PieceReader<Tile::kBatch, 1, Tile::kGroups, 0> reader(p, first_slot, num_pieces, kv_head, row, chunk * kCols,
-                                                        col_thread, group);
+  PieceReader<Tile::kBatch, Tile::kGroups> reader(p, first_slot, num_pieces, kv_head, row, chunk * kCols, col_thread,
+                                                  group);
   reader.load(group);
   const int head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
   const float sink = p.attn_sink != nullptr ? p.attn_sink[head] : -INFINITY;    // -inf: no sink
@@ -462,8 +456,8 @@ __device__ void combine_cta_item(const DecodeParams& p, int seq, int first_slot,
   const float lse = finish_lse(state);
 
   // ---- out = sum_k exp(lse_k - lse) O_k over this thread's pieces, then the groups in group order --------------
-  float4 acc[1];
-  reader.accumulate(lse, acc);
+  float4 acc[1];    // store_row's one float4 a thread
+  reader.accumulate(lse, acc[0]);
   if (group > 0) shared.group_sums[(group - 1) * Tile::kColThreads + col_thread] = acc[0];
   __syncthreads();
   if (group == 0) {
@@ -576,12 +570,11 @@ static_assert(kWarpItemMaxPieces * slice_cols(kWarpItemMaxPieces) * 4 <= kWarpSi
               "a warp item's pieces fit one round of loads and 32 partial lines");
 
 // The warp item of a sequence cut into two pieces (one whole row: slice_cols(2) = 512), what the split rows of large
-// batches are. The generic item above spends most of its instructions on what two pieces do not need (the row's lse
-// by warp reductions, piece loops, a discard test per float4), and the combine is bound by instruction issue, not
-// by bytes (H100, b = 128, h_q 128: ~585 instructions an item, IPC 1.2, the same time at 1, 2 or 3 CTAs an SM and
-// with twice the bytes in flight; docs/PERF.md "Combine"). Here each lane loads both lse values and its four float4
-// of each piece at once and computes the row's lse itself (the generic item's formula); once every lane has used
-// its loads, lane l discards line l of the item's 32 partial lines.
+// batches are. The combine is bound by instruction issue, not by bytes (H100, b = 128, h_q 128: ~585 instructions
+// an item before the lean items, IPC 1.2, the same time at 1, 2 or 3 CTAs an SM and with twice the bytes in flight;
+// docs/PERF.md "Combine"), and two pieces need no piece groups: each lane loads both lse values and its four float4
+// of each piece at once and computes the row's lse itself, with no shuffles; once every lane has used its loads,
+// lane l discards line l of the item's 32 partial lines.
 template <class Element>
 __device__ void combine_two_pieces(const DecodeParams& p, int seq, int first_slot, int local_item, int lane) {
   constexpr int kVecs = kHeadDimV / 4 / kWarpSize;                           // 4 float4 a lane and piece
