@@ -10,7 +10,9 @@ are read back from CUPTI's records. Per kernel name, per call: how often it ran,
 *exposed* time, the part of it that ends after every kernel started before it had ended. With programmatic
 dependent launch a combine starts while its split kernel runs and waits for it, so its duration overstates it; the
 exposed time is what it adds to the call. `idle` is the time between one kernel's end and the next one's start.
-Unlike ncu (benchmarks/ncu_row.py), nothing is flushed or serialised.
+Unlike ncu (benchmarks/ncu_row.py), nothing is flushed or serialised. `--copies 1` runs every call of the graph on
+the same cache copy (pages still from DRAM once the cache exceeds L2, but the same addresses every call): what the
+referee's walk over fresh copies costs each implementation.
 """
 import argparse
 import os
@@ -69,16 +71,18 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_row_arguments(ap)
     ap.add_argument("--replays", type=int, default=4, help="graph replays profiled per implementation")
+    ap.add_argument("--copies", type=int, default=None,
+                    help="cache copies the graph's calls walk (default: all, as the referee; 1: the same every call)")
     args = ap.parse_args()
 
     import torch
     from torch.profiler import ProfilerActivity, profile
     q, ks, bt, seqlens, causal, impls = row_workload(args)
     print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} graph replays per implementation; "
-          "us per call")
+          "us per call" + (f"; calls over {args.copies} cache copies" if args.copies else ""))
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
     for name, impl in impls.items():
-        graph, calls, outs = capture_graph(impl, q, ks, bt, seqlens, causal)
+        graph, calls, outs = capture_graph(impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens, causal)
         for _ in range(2):
             graph.replay()
         torch.cuda.synchronize()

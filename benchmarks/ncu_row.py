@@ -9,6 +9,7 @@ outside the profiled range and one call inside it, then prints one column per ke
     python benchmarks/ncu_row.py --anchors .anchors --smem --impls flash_mla,head     # shared-memory banks
     python benchmarks/ncu_row.py --anchors .anchors --l2 --impls flash_mla,head       # L2 load, crossbar bytes
     python benchmarks/ncu_row.py --anchors .anchors --sparse --launch --pipes          # launch shape, pipes
+    python benchmarks/ncu_row.py --anchors .anchors --balance --h-q 32 --mean 4096     # how evenly the SMs end
 
 The script re-runs itself under ncu (metrics only: durations, DRAM / L2 traffic, instruction counts, stall
 reasons; never the anchors' source or SASS; caches flushed before each kernel unless `--warm-caches`), so it
@@ -89,6 +90,13 @@ LAUNCH_METRICS = {
     "shared memory per CTA (KiB, dynamic + static)": ("launch__shared_mem_per_block", 1 / 1024),
 }
 
+# `--balance`: how evenly the SMs' work ends (one CTA an SM: an SM's active cycles are its CTA's life). The spread
+# of the active cycles over the SMs is what a grid loses to its slowest SMs, whatever made them slow.
+BALANCE_METRICS = {
+    f"SM active cycles, {stat} (k)": (f"sm__cycles_active.{stat}", 1e-3) for stat in ("min", "avg", "max")
+}
+BALANCE_METRICS["SM elapsed cycles (k)"] = ("sm__cycles_elapsed.max", 1e-3)
+
 # `--pipes`: instructions by the pipe that executes them (M), where an instruction budget goes: integer and logic
 # (alu), fp32 and packed 16-bit (fma; fmaheavy: its multiply-heavy half), transcendentals (xu), memory (lsu),
 # uniform datapath, branches and barrier polls (cbu).
@@ -133,7 +141,7 @@ def parent(args):
         sys.exit("ncu_row: ncu is not on PATH")
     shown = {**METRICS, **(STALL_METRICS if args.stalls else {}), **(SMEM_METRICS if args.smem else {}),
              **(L2_METRICS if args.l2 else {}), **(LAUNCH_METRICS if args.launch else {}),
-             **(PIPE_METRICS if args.pipes else {})}
+             **(PIPE_METRICS if args.pipes else {}), **(BALANCE_METRICS if args.balance else {})}
     known = subprocess.run([ncu, "--query-metrics"], capture_output=True, text=True).stdout.split()
     shown, dropped = known_metrics(shown, known)
     if dropped:
@@ -189,6 +197,7 @@ def main():
     ap.add_argument("--l2", action="store_true", help="also all L2 reads, crossbar bytes to the SMs, L2 and DRAM load")
     ap.add_argument("--launch", action="store_true", help="also the launch shape (threads, cluster, registers, smem)")
     ap.add_argument("--pipes", action="store_true", help="also the instructions per execution pipe")
+    ap.add_argument("--balance", action="store_true", help="also the SMs' active cycles (min / avg / max)")
     ap.add_argument("--warm-caches", action="store_true",
                     help="keep L2 as the kernel before left it (ncu flushes it by default): a combine then finds the "
                          "partial results its split kernel left in L2")

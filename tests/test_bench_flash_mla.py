@@ -319,6 +319,11 @@ def test_ncu_row_keeps_known_metrics_and_launch_attributes():
     assert "instructions, fma pipe (M)" in dropped and "DRAM bytes read / cache bytes" in dropped
     # launch attributes are never listed by --query-metrics and are always kept
     assert all(label in kept for label in ncu_row.LAUNCH_METRICS) and "grid size (CTAs)" in kept
+    # --balance: min / avg / max of one metric share its base name, so one known name keeps all three
+    kept, dropped = ncu_row.known_metrics(ncu_row.BALANCE_METRICS, ["sm__cycles_active"])
+    assert [label for label in kept] == ["SM active cycles, min (k)", "SM active cycles, avg (k)",
+                                         "SM active cycles, max (k)"]
+    assert dropped == ["SM elapsed cycles (k)"]
 
 
 # ------------------------------------------------------------------------------------------------------------------
