@@ -12,7 +12,9 @@ dependent launch a combine starts while its split kernel runs and waits for it, 
 exposed time is what it adds to the call. `idle` is the time between one kernel's end and the next one's start.
 Unlike ncu (benchmarks/ncu_row.py), nothing is flushed or serialised. `--copies 1` runs every call of the graph on
 the same cache copy (pages still from DRAM once the cache exceeds L2, but the same addresses every call): what the
-referee's walk over fresh copies costs each implementation.
+referee's walk over fresh copies costs each implementation. `--gap-us G` puts a spin kernel of about G us after
+each call (listed as its own kernel): the board then runs below its ~700 W cap, as under ncu, so the split kernels'
+times at a high clock can be set beside their times at the cap (the referee's back-to-back calls).
 """
 import argparse
 import os
@@ -71,6 +73,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_row_arguments(ap)
     ap.add_argument("--replays", type=int, default=4, help="graph replays profiled per implementation")
+    ap.add_argument("--gap-us", type=float, default=0.0,
+                    help="a spin kernel of about this many us after each call (at 1.98 GHz): the board below its cap")
     ap.add_argument("--copies", type=int, default=None,
                     help="cache copies the graph's calls walk (default: all, as the referee; 1: the same every call)")
     args = ap.parse_args()
@@ -79,10 +83,12 @@ def main():
     from torch.profiler import ProfilerActivity, profile
     q, ks, bt, seqlens, causal, impls = row_workload(args)
     print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} graph replays per implementation; "
-          "us per call" + (f"; calls over {args.copies} cache copies" if args.copies else ""))
+          "us per call" + (f"; calls over {args.copies} cache copies" if args.copies else "")
+          + (f"; a {args.gap_us:g} us spin after each call" if args.gap_us else ""))
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
     for name, impl in impls.items():
-        graph, calls, outs = capture_graph(impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens, causal)
+        graph, calls, outs = capture_graph(impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens, causal,
+                                           gap_cycles=int(args.gap_us * 1980))
         for _ in range(2):
             graph.replay()
         torch.cuda.synchronize()

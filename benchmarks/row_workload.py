@@ -62,10 +62,12 @@ def row_workload(args, prepared_copies=None):
     return q, ks, bt, seqlens, causal, impls
 
 
-def capture_graph(impl, q, ks, bt, seqlens, causal):
+def capture_graph(impl, q, ks, bt, seqlens, causal, gap_cycles=0):
     """(graph, calls, outs): the referee's graph for one implementation (sxs.time_graph: N calls over N cache
     copies), planned and captured just before its replays, since the anchors' plans share state between calls (a v1
-    plan made before head's failed its split-count assert); replayed once. Keep `outs` alive while replaying."""
+    plan made before head's failed its split-count assert); replayed once. Keep `outs` alive while replaying.
+    gap_cycles > 0 puts a one-thread spin kernel of that many clock cycles (`torch.cuda._sleep`) after each call: the
+    board then runs below its power cap, at a higher clock, as under ncu's serialised replays."""
     import torch
     plan = impl.plan(q, ks[0], bt, seqlens, causal)
     calls = max(len(ks), 8)
@@ -75,7 +77,11 @@ def capture_graph(impl, q, ks, bt, seqlens, causal):
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        outs = [impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal) for i in range(calls)]
+        outs = []
+        for i in range(calls):
+            outs.append(impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal))
+            if gap_cycles > 0:
+                torch.cuda._sleep(gap_cycles)
     torch.cuda.current_stream().wait_stream(stream)
     graph.replay()
     torch.cuda.synchronize()
