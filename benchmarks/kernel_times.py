@@ -22,7 +22,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_workload import add_row_arguments, capture_graph, row_label, row_workload
+from row_workload import FULL_CLOCK_MHZ, add_row_arguments, capture_graph, row_label, row_workload
 
 
 def exposed_times(kernels):
@@ -74,7 +74,7 @@ def main():
     add_row_arguments(ap)
     ap.add_argument("--replays", type=int, default=4, help="graph replays profiled per implementation")
     ap.add_argument("--gap-us", type=float, default=0.0,
-                    help="a spin kernel of about this many us after each call (at 1.98 GHz): the board below its cap")
+                    help="a spin of about this many us (at the full clock) after each call: the board below its cap")
     ap.add_argument("--copies", type=int, default=None,
                     help="cache copies the graph's calls walk (default: all, as the referee; 1: the same every call)")
     args = ap.parse_args()
@@ -88,7 +88,7 @@ def main():
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
     for name, impl in impls.items():
         graph, calls, outs = capture_graph(impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens, causal,
-                                           gap_cycles=int(args.gap_us * 1980))
+                                           gap_cycles=int(args.gap_us * FULL_CLOCK_MHZ))
         for _ in range(2):
             graph.replay()
         torch.cuda.synchronize()

@@ -25,9 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_workload import add_row_arguments, capture_graph, row_label, row_workload
-
-FULL_CLOCK_MHZ = 1980.0
+from row_workload import FULL_CLOCK_MHZ, add_row_arguments, capture_graph, row_label, row_workload
 
 
 def parse_samples(text):

@@ -4,6 +4,9 @@ does)."""
 import os
 import sys
 
+# The H100's full SM clock: power_row.py's cycles per call in us at it, kernel_times.py's spin gap in cycles.
+FULL_CLOCK_MHZ = 1980.0
+
 # Implementations by name: dense rows (flash_mla's FP8 path with --fp8) and sparse FP8 decoding.
 DENSE_KINDS = {"flash_mla": "FlashMLA", "v1": "AnchorV1", "head": "AnchorHead"}
 FP8_KINDS = {**DENSE_KINDS, "flash_mla": "FlashMLAFp8"}
