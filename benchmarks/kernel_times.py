@@ -14,7 +14,12 @@ Unlike ncu (benchmarks/ncu_row.py), nothing is flushed or serialised. `--copies 
 the same cache copy (pages still from DRAM once the cache exceeds L2, but the same addresses every call): what the
 referee's walk over fresh copies costs each implementation. `--gap-us G` puts a spin kernel of about G us after
 each call (listed as its own kernel): the board then runs below its ~700 W cap, as under ncu, so the split kernels'
-times at a high clock can be set beside their times at the cap (the referee's back-to-back calls).
+times at a high clock can be set beside their times at the cap (the referee's back-to-back calls). `--launch` runs
+the same calls another way: `graph` (default) is the referee's graph, calls back to back; `graph-sync` a one-call
+graph per cache copy, each replay followed by a synchronize (the GPU idle between calls); `eager` plain stream
+launches from Python (the host's launch time between calls). H100, 2026-11-28: flash_mla's split kernel takes
+208-215 us at b = 128, L = 4096, h_q 32, s_q 1 launched eagerly or one call at a time and ~218 us back to back;
+v1's 209 us in every mode.
 """
 import argparse
 import os
@@ -69,6 +74,40 @@ def short_name(name, width=60):
     return text if len(text) <= width else "..." + text[-(width - 3):]
 
 
+LAUNCH_MODES = ("graph", "graph-sync", "eager")
+
+
+def call_runner(mode, impl, q, ks, bt, seqlens, causal, gap_cycles=0):
+    """(run, calls, keep): run() issues `calls` decoding calls over the cache copies as `mode` says (LAUNCH_MODES);
+    keep the third value alive while running."""
+    import torch
+    if mode == "graph":
+        graph, calls, outs = capture_graph(impl, q, ks, bt, seqlens, causal, gap_cycles)
+        return graph.replay, calls, (graph, outs)
+    plan = impl.plan(q, ks[0], bt, seqlens, causal)
+    if mode == "eager":
+        def run():
+            for k in ks:
+                impl.decode(q, k, bt, seqlens, plan, causal)
+        return run, len(ks), None
+    impl.decode(q, ks[0], bt, seqlens, plan, causal)       # warm-up outside the capture
+    torch.cuda.synchronize()
+    graphs, stream = [], torch.cuda.Stream()
+    for k in ks:
+        graph = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+            out = impl.decode(q, k, bt, seqlens, plan, causal)
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs.append((graph, out))
+
+    def run():
+        for graph, _ in graphs:
+            graph.replay()
+            torch.cuda.synchronize()
+    return run, len(ks), graphs
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_row_arguments(ap)
@@ -77,24 +116,30 @@ def main():
                     help="a spin of about this many us (at the full clock) after each call: the board below its cap")
     ap.add_argument("--copies", type=int, default=None,
                     help="cache copies the graph's calls walk (default: all, as the referee; 1: the same every call)")
+    ap.add_argument("--launch", choices=LAUNCH_MODES, default="graph",
+                    help="graph: the referee's graph (calls back to back); graph-sync: a one-call graph per copy, "
+                         "synchronised after each replay; eager: stream launches")
     args = ap.parse_args()
+    if args.launch != "graph" and args.gap_us:
+        ap.error("--gap-us applies to --launch graph only")
 
     import torch
     from torch.profiler import ProfilerActivity, profile
     q, ks, bt, seqlens, causal, impls = row_workload(args)
     print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} graph replays per implementation; "
           "us per call" + (f"; calls over {args.copies} cache copies" if args.copies else "")
-          + (f"; a {args.gap_us:g} us spin after each call" if args.gap_us else ""))
+          + (f"; a {args.gap_us:g} us spin after each call" if args.gap_us else "")
+          + (f"; launched {args.launch}" if args.launch != "graph" else ""))
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
     for name, impl in impls.items():
-        graph, calls, outs = capture_graph(impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens, causal,
-                                           gap_cycles=int(args.gap_us * FULL_CLOCK_MHZ))
+        run, calls, keep = call_runner(args.launch, impl, q, ks[:args.copies] if args.copies else ks, bt, seqlens,
+                                       causal, gap_cycles=int(args.gap_us * FULL_CLOCK_MHZ))
         for _ in range(2):
-            graph.replay()
+            run()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.replays):
-                graph.replay()
+                run()
             torch.cuda.synchronize()
         kernels = sorted(((e.name, e.time_range.start, e.time_range.end) for e in prof.events()
                           if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start),
@@ -108,7 +153,7 @@ def main():
         total = sum(r[3] for r in rows) + idle
         print(f"{name},idle,,,{idle:.1f}")
         print(f"{name},total,,,{total:.1f}")
-        del graph, outs
+        del run, keep
 
 
 if __name__ == "__main__":

@@ -41,3 +41,12 @@ def test_short_name_drops_templates_and_arguments():
     anonymous = "void flash_mla::m::(anonymous namespace)::mla_combine_kernel<cutlass::bfloat16_t>(flash_mla::Params)"
     assert kernel_times.short_name(anonymous) == "flash_mla::m::mla_combine_kernel"
     assert kernel_times.short_name("x" * 100, width=20).startswith("...")
+
+
+def test_launch_modes_and_the_gap_only_in_the_graph(monkeypatch, capsys):
+    assert kernel_times.LAUNCH_MODES == ("graph", "graph-sync", "eager")
+    monkeypatch.setattr("sys.argv", ["kernel_times.py", "--anchors", "nowhere", "--launch", "eager", "--gap-us", "5"])
+    with pytest.raises(SystemExit) as exit_info:
+        kernel_times.main()
+    assert exit_info.value.code == 2
+    assert "--gap-us applies to --launch graph only" in capsys.readouterr().err
