@@ -17,9 +17,7 @@ each call (listed as its own kernel): the board then runs below its ~700 W cap, 
 times at a high clock can be set beside their times at the cap (the referee's back-to-back calls). `--launch` runs
 the same calls another way: `graph` (default) is the referee's graph, calls back to back; `graph-sync` a one-call
 graph per cache copy, each replay followed by a synchronize (the GPU idle between calls); `eager` plain stream
-launches from Python (the host's launch time between calls). H100, 2026-11-28: flash_mla's split kernel takes
-208-215 us at b = 128, L = 4096, h_q 32, s_q 1 launched eagerly or one call at a time and ~218 us back to back;
-v1's 209 us in every mode.
+launches from Python (the host's launch time between calls); docs/PERF.md has what each mode measured.
 """
 import argparse
 import os
