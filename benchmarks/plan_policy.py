@@ -1,7 +1,7 @@
 """Plan policy for small batches: how long should the shortest piece be?
 
-    python benchmarks/plan_policy.py [--min-payloads 0,9,13,17,21,29,37] [--csv out.csv]
-    python benchmarks/plan_policy.py --sparse [--min-payloads 0,7,9,13,21,37]   # sparse FP8 decoding, topk 2048
+    python benchmarks/plan_policy.py [--min-payloads 0,0t,9,13,17,21,29,37] [--csv out.csv]
+    python benchmarks/plan_policy.py --sparse [--min-payloads 0,7,7t,9,13,21,37]   # sparse FP8 decoding, topk 2048
 
 The scheduler gives every SM part ceil(total / parts) + FIXED_OVERHEAD blocks of work. On a small batch that
 cuts a sequence into ~132 short pieces: many parallel readers, but each piece pays a Q load, a first-page
@@ -10,12 +10,15 @@ FIXED_OVERHEAD included) leaves the trailing parts empty instead. This script ti
 floor, timed like the referee (one CUDA graph of N calls walking N copies of the cache so L2 does not serve it,
 metadata from the scheduler twin outside the timed region, median of replays), after checking each policy's
 result against the float32 reference. One row per (workload, floor): pieces of the longest-cut sequence, median
-time, GB/s and the time relative to floor 0 (SPEC.md's rule, the dense policy).
+time, GB/s and the time relative to floor 0 (SPEC.md's rule, the dense policy). A floor written with a trailing
+"t" (7t) takes the smallest payload that still covers the batch instead of SPEC.md's before the floor
+(scheduler.plan_payload's tight_payload): 16 rows of 32 pages over 66 parts then get 64 parts of 8 pages instead of
+48 of 9 and 16 of 5.
 
 --sparse does the same for sparse FP8 decoding (indices over a 656-byte-per-token cache; each batch row's length
 for the plan is topk, 32 index pages of 64 slots): at b = 1, h_q 128, s_q 1 the SPEC rule gives each of 32 SM parts
-a single page, floor 7 two pages to each of 16 parts. flash_mla's sparse plans use floor 7 (SPARSE_MIN_PAYLOAD in
-flash_mla/_geometry.py; docs/PERF.md "Scheduler" has the measurement), so there its policy is the floor-7 row.
+a single page, floor 7 two pages to each of 16 parts. flash_mla's sparse plans use the tight payload and floor 7
+(SPARSE_PLAN in flash_mla/_geometry.py; docs/PERF.md "Scheduler" has the measurement): its policy is the 7t row.
 """
 import argparse
 import math
@@ -75,7 +78,7 @@ def time_floors(name, lens, parts, floors, cache, nbytes, decode, check):
     caches = [cache] + [cache.clone() for _ in range(copies - 1)]
     rows, base = [], None
     for floor in floors:
-        meta, splits = schedule(lens, parts, min_payload=floor)
+        meta, splits = schedule(lens, parts, min_payload=int(floor.rstrip("t")), tight_payload=floor.endswith("t"))
         md = torch.tensor(meta, dtype=torch.int32, device="cuda")
         ns = torch.tensor(splits, dtype=torch.int32, device="cuda")
         pieces = max(splits[i + 1] - splits[i] for i in range(len(lens)))
@@ -131,8 +134,9 @@ def time_sparse_workload(name, b, s_q, h_q, floors, num_sms):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--min-payloads", default=None, help="floors, comma-separated (default 0,9,13,17,21,29,37; "
-                                                         "--sparse: 0,7,9,13,21,37)")
+    ap.add_argument("--min-payloads", default=None, help="floors, comma-separated, a trailing t for the tight "
+                                                         "payload (default 0,0t,9,13,17,21,29,37; --sparse: "
+                                                         "0,7,7t,9,13,21,37)")
     ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding workloads instead of bf16 ones")
     ap.add_argument("--only", default=None, help="substring of the workload names to run")
     ap.add_argument("--csv", default=None)
@@ -140,8 +144,11 @@ def main():
     if not torch.cuda.is_available():
         print("skipped: plan_policy.py times GPU kernels and needs a CUDA GPU (none is visible)")
         return 0
-    default = "0,7,9,13,21,37" if args.sparse else "0,9,13,17,21,29,37"
-    floors = [int(x) for x in (args.min_payloads or default).split(",")]
+    default = "0,7,7t,9,13,21,37" if args.sparse else "0,0t,9,13,17,21,29,37"
+    floors = (args.min_payloads or default).split(",")
+    for floor in floors:
+        if not floor.rstrip("t").isdigit():
+            ap.error(f"--min-payloads: expected integers, each maybe followed by t, got {floor!r}")
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     kind = f"sparse FP8 topk={SPARSE_TOPK}" if args.sparse else "bf16 causal"
     print(f"device: {torch.cuda.get_device_name()}  {kind} h_kv=1  num_sms={num_sms}")

@@ -93,19 +93,20 @@ class RawFp8Extension(RawExtension):
 
 class RawSparseExtension(RawExtension):
     """The same build's sparse FP8 decoding (--sparse): `bt` carries the indices, `k` the 656-byte cache. Planned
-    as that tree's flash_mla plans sparse calls: with its payload floor SPARSE_MIN_PAYLOAD (flash_mla/_geometry.py;
-    a tree from before the floor has none, and its binding takes four arguments)."""
+    as that tree's flash_mla plans sparse calls: with its SPARSE_PLAN (flash_mla/_geometry.py), or in a tree from
+    before it, its payload floor SPARSE_MIN_PAYLOAD (a tree from before the floor has none, and its binding takes
+    four arguments)."""
 
     def __init__(self, folder: str, index: int):
         super().__init__(folder, index)
         geometry = runpy.run_path(os.path.join(folder, "flash_mla", "_geometry.py"))
-        self.min_payload = geometry.get("SPARSE_MIN_PAYLOAD", 0)
+        floor = geometry.get("SPARSE_MIN_PAYLOAD", 0)
+        self.plan_kwargs = geometry.get("SPARSE_PLAN", {"min_payload": floor} if floor else {})
 
     def plan(self, q, k, bt, seqlens, causal):
         import torch
         full = torch.full((q.shape[0],), bt.shape[-1], dtype=torch.int32, device=q.device)
-        floor = (self.min_payload,) if self.min_payload else ()
-        return self.mod.get_mla_metadata(full, q.shape[1] * q.shape[2], 1, 132, *floor)
+        return self.mod.get_mla_metadata(full, q.shape[1] * q.shape[2], 1, 132, **self.plan_kwargs)
 
     def decode(self, q, k, bt, seqlens, plan, causal):
         md, ns = plan

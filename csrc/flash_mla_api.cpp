@@ -46,9 +46,11 @@ int num_sm_parts_for(int num_sms, int num_heads_per_head_k, int num_heads_k) {
 }
 
 // min_payload: floor on each SM part's payload, in pages (0: SPEC.md's rule, the dense plan; sparse plans pass
-// flash_mla/_geometry.py's SPARSE_MIN_PAYLOAD).
+// flash_mla/_geometry.py's SPARSE_MIN_PAYLOAD); tight_payload: the smallest payload that covers the batch instead
+// of SPEC.md's (sparse plans; flash_mla/scheduler.py plan_payload).
 std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_heads_per_head_k,
-                                         int64_t num_heads_k, int64_t num_sms, int64_t min_payload) {
+                                         int64_t num_heads_k, int64_t num_sms, int64_t min_payload,
+                                         bool tight_payload) {
   TORCH_CHECK(seqlens.is_cuda(), "cache_seqlens: expected a CUDA tensor, got one on ", seqlens.device());
   CHECK_DTYPE(seqlens, at::kInt);
   TORCH_CHECK(seqlens.dim() == 1 && seqlens.size(0) > 0, "cache_seqlens: expected shape (batch_size,), got ",
@@ -73,7 +75,7 @@ std::vector<at::Tensor> get_mla_metadata(const at::Tensor& seqlens, int64_t num_
   at::Tensor num_splits = at::empty({batch + 1}, opts);
   at::Tensor cost_prefix = at::empty({batch + 1}, opts);
   MetadataParams p{seqlens_c.data_ptr<int32_t>(), metadata.data_ptr<int32_t>(), num_splits.data_ptr<int32_t>(),
-                   cost_prefix.data_ptr<int32_t>(), batch, parts, static_cast<int>(min_payload)};
+                   cost_prefix.data_ptr<int32_t>(), batch, parts, static_cast<int>(min_payload), tight_payload};
   launch_mla_metadata(p, at::cuda::getCurrentCUDAStream().stream());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {metadata, num_splits};
@@ -314,7 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("variant") = FLASH_MLA_VARIANT_NAME;    // kernels/variant.h: this build's inner namespace
   m.def("get_mla_metadata", &flash_mla::get_mla_metadata, "Tile scheduler on the device",
         pybind11::arg("cache_seqlens"), pybind11::arg("num_heads_per_head_k"), pybind11::arg("num_heads_k"),
-        pybind11::arg("num_sms"), pybind11::arg("min_payload") = 0);
+        pybind11::arg("num_sms"), pybind11::arg("min_payload") = 0, pybind11::arg("tight_payload") = false);
   m.def("mla_decode", &flash_mla::mla_decode, "Split-KV MLA decoding + combine", pybind11::arg("q"),
         pybind11::arg("k_cache"), pybind11::arg("block_table"), pybind11::arg("cache_seqlens"),
         pybind11::arg("head_dim_v"), pybind11::arg("tile_scheduler_metadata"), pybind11::arg("num_splits"),

@@ -14,5 +14,10 @@ FIXED_OVERHEAD = 5         # scheduler cost of one sequence piece, in pages (rea
 # idle while it pays a piece's costs (Q load, fp32 partial write, combine). Dense plans keep SPEC.md's rule (no
 # floor); docs/PERF.md "Scheduler" has the measurement.
 SPARSE_MIN_PAYLOAD = FIXED_OVERHEAD + 2
+# The sparse plan's rules, as keyword arguments of the scheduler (scheduler.schedule, the metadata op and kernel):
+# the floor above, and the smallest payload that covers the batch instead of SPEC.md's (scheduler.plan_payload), so
+# that no part carries a page more than the walk needs (16 rows of 32 pages over 66 parts: 64 parts of 8 pages, not
+# 48 of 9 and 16 of 5). docs/PERF.md "Scheduler" has the measurements.
+SPARSE_PLAN = {"min_payload": SPARSE_MIN_PAYLOAD, "tight_payload": True}
 ROWS_PER_TILE = 64         # query rows one CTA processes (the WGMMA M dimension)
 DEFAULT_SOFTMAX_SCALE = HEAD_DIM_QK ** -0.5

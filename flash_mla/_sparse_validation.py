@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ._geometry import HEAD_DIM_V, METADATA_WIDTH, SPARSE_MIN_PAYLOAD
+from ._geometry import HEAD_DIM_V, METADATA_WIDTH, SPARSE_PLAN
 from ._validation import SUPPORTED_DTYPES, _check_plan, _Checker, check_q, check_scale_causal_sink
 from .scheduler import schedule
 from .sparse_fp8 import CACHE_DTYPES, TOKEN_BYTES, num_cache_tokens
@@ -127,16 +127,16 @@ def check_sparse_decode_values(k_cache, indices, topk_length, fn: str = "flash_m
 def check_sparse_plan_values(indices, topk_length, tile_scheduler_metadata, num_splits,
                              fn: str = "flash_mla_with_kvcache") -> None:
     """Debug mode: the plan is what get_mla_metadata gives for these rows (same number of SM parts, the sparse
-    payload floor SPARSE_MIN_PAYLOAD), planned on full(topk) (the classic form) or on topk_length (the lazy form).
+    plan's rules SPARSE_PLAN), planned on full(topk) (the classic form) or on topk_length (the lazy form).
     Reads the tensors."""
     b, _, topk = indices.shape
     parts = tile_scheduler_metadata.shape[0]
     got = (tile_scheduler_metadata.tolist(), num_splits.tolist())
     candidates = [[topk] * b] + ([topk_length.tolist()] if topk_length is not None else [])
     for lengths in candidates:
-        if got == tuple(schedule(lengths, parts, min_payload=SPARSE_MIN_PAYLOAD)):
+        if got == tuple(schedule(lengths, parts, **SPARSE_PLAN)):
             return
-    _, expected_ns = schedule(candidates[-1], parts, min_payload=SPARSE_MIN_PAYLOAD)
+    _, expected_ns = schedule(candidates[-1], parts, **SPARSE_PLAN)
     what = "topk_length" if topk_length is not None else f"full(topk = {topk})"
     _Checker(fn).fail(ValueError, "tile_scheduler_metadata", f"the get_mla_metadata plan of these rows "
                       f"({what}: num_splits {expected_ns}, {parts} x {METADATA_WIDTH} metadata; from another step "

@@ -90,7 +90,7 @@ class _Checker:
 
 
 def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q=None,
-                        min_payload=0) -> None:
+                        min_payload=0, tight_payload=False) -> None:
     c = _Checker("get_mla_metadata")
     c.tensor("cache_seqlens", cache_seqlens)
     c.dtype("cache_seqlens", cache_seqlens, torch.int32)
@@ -103,6 +103,8 @@ def check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_he
     c.integer("num_heads_per_head_k", num_heads_per_head_k, 1)
     c.integer("num_heads_k", num_heads_k, 1)
     c.integer("min_payload", min_payload, 0)      # the payload floor (the op's argument; sparse plans set it)
+    if type(tight_payload) is not bool:            # the payload rule (the op's argument; sparse plans set it)
+        c.fail(TypeError, "tight_payload", "a bool", f"{type(tight_payload).__name__} {tight_payload!r}")
     if num_heads_q is not None:   # optional (upstream's engines pass it); the plan does not need it
         c.integer("num_heads_q", num_heads_q, 1)
         if num_heads_q % num_heads_k or (num_heads_per_head_k * num_heads_k) % num_heads_q:

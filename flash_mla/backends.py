@@ -133,9 +133,10 @@ def default_num_sms(device: torch.device) -> int:
 
 
 def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
-                 num_sms: int, min_payload: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_sms: int, min_payload: int = 0, tight_payload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The scheduler: the device kernel for CUDA tensors when the extension is built, else the Python twin.
-    min_payload: the payload floor (0 for dense plans, SPARSE_MIN_PAYLOAD for sparse ones; scheduler.schedule)."""
+    min_payload, tight_payload: the payload's floor and rule (0 and False for dense plans, _geometry.SPARSE_PLAN for
+    sparse ones; scheduler.schedule)."""
     if _validation.debug_enabled():
         _validation.check_metadata_values(cache_seqlens)
     ext = cuda_extension()
@@ -144,14 +145,16 @@ def run_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_hea
             _validation._Checker("get_mla_metadata").fail(
                 ValueError, "num_sms", f"at most {_validation.MAX_SM_PARTS} SM parts on the GPU (num_sms // "
                 "num_heads_k // ceil(num_heads_per_head_k / 64))", num_sms)
-        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
+        return ext.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload,
+                                    tight_payload)
     if cache_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
         # the twin reads the lengths on the host: a copy that capture forbids (CUDA's own error would not say why)
         raise RuntimeError("get_mla_metadata: cannot plan while a CUDA graph is being captured without the CUDA "
                            "extension (the Python scheduler reads cache_seqlens on the host); build the extension, "
                            "which plans on the device, or plan before the capture: the classic form "
                            "get_mla_metadata(cache_seqlens, ...), or a schedule's first call outside the graph")
-    return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
+    return get_mla_metadata_twin(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload,
+                                 tight_payload)
 
 
 def run_decode(q: torch.Tensor, k_cache: torch.Tensor, block_table: torch.Tensor, cache_seqlens: torch.Tensor,

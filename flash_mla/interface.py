@@ -24,8 +24,9 @@ Sparse FP8 decoding (DeepSeek-V3.2, flash_mla/sparse_fp8.py): ``flash_mla_with_k
 512, md_or_schedule, ns_or_None, scale, False, is_fp8_kvcache=True, indices=indices, topk_length=...)`` on the
 656-byte cache of quantize_kv_cache_v32. Plan: batch row i is one "sequence" whose keys are its index slots; its
 length for the scheduler is topk_length[i] (or topk), its query rows are its s_q * h_q (token, head) pairs, so the
-plan is the dense scheduler's with num_heads_per_head_k = s_q * h_q and num_heads_k = 1, and a floor on each SM
-part's payload, SPARSE_MIN_PAYLOAD (room for a pair of pages; flash_mla/_geometry.py says why). The classic
+plan is the dense scheduler's with num_heads_per_head_k = s_q * h_q and num_heads_k = 1, the smallest payload that
+covers the batch and a floor on it, SPARSE_MIN_PAYLOAD (room for a pair of pages): SPARSE_PLAN, whose reasons
+flash_mla/_geometry.py gives. The classic
 ``get_mla_metadata(cache_seqlens, s_q * h_q, 1, num_heads_q=h_q, is_fp8_kvcache=True, topk=topk)`` cannot know
 topk_length and plans on full(topk) (torch.full_like(cache_seqlens, topk): on cache_seqlens' device, no host
 sync); a lazy schedule plans on its first call's topk_length (or full(topk)). Either plan gives the same answer: a
@@ -45,7 +46,7 @@ import torch
 
 from . import _sparse_validation, _validation
 from . import ops as _ops
-from ._geometry import DEFAULT_SOFTMAX_SCALE, SPARSE_MIN_PAYLOAD
+from ._geometry import DEFAULT_SOFTMAX_SCALE, SPARSE_PLAN
 from .backends import DEFAULT_CPU_NUM_SMS, default_num_sms, run_decode, run_metadata, run_sparse_decode  # noqa: F401
 
 if _ops.AVAILABLE and hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
@@ -130,7 +131,7 @@ def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per
             indices=...) with indices of shape (batch_size, seqlen_q, topk)): then num_heads_k must be 1,
             num_heads_per_head_k is seqlen_q * num_heads_q, and the plan is made for a length of topk in every batch
             row (torch.full_like(cache_seqlens, topk); the lengths in cache_seqlens are not used, only its size and
-            device), with the sparse payload floor SPARSE_MIN_PAYLOAD (docs/PERF.md "Scheduler").
+            device), with the sparse plan's payload rules SPARSE_PLAN (docs/PERF.md "Scheduler").
         num_sms: multiprocessors to plan for; default: the GPU's count, or 132 (an H100) for CPU tensors.
 
     Returns:
@@ -163,28 +164,28 @@ def get_mla_metadata(cache_seqlens: Optional[torch.Tensor] = None, num_heads_per
         raise TypeError(f"get_mla_metadata: with cache_seqlens, expected num_heads_per_head_k and num_heads_k too; "
                         f"missing {', '.join(missing)} (call get_mla_metadata() with no cache_seqlens for a lazy "
                         "schedule)")
-    min_payload = 0         # dense: SPEC.md's rule
+    plan = {}               # dense: SPEC.md's rule
     if topk is not None:    # sparse: every batch row plans as topk long (the call's topk_length is not known here)
         _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q)
         _sparse_validation.check_sparse_metadata_args(num_heads_k, topk)
         cache_seqlens = torch.full_like(cache_seqlens, topk)
-        min_payload = SPARSE_MIN_PAYLOAD
-    return _metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q, num_sms, min_payload)
+        plan = SPARSE_PLAN
+    return _metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q, num_sms, plan)
 
 
 def _metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q, num_sms,
-              min_payload: int) -> Tuple[torch.Tensor, torch.Tensor]:
+              plan: dict) -> Tuple[torch.Tensor, torch.Tensor]:
     """The classic form's plan (and a lazy schedule's): check the arguments, then plan on the device or with the
-    twin, through the metadata op while torch.compile traces. min_payload: the payload floor, 0 for dense plans
-    (SPEC.md's rule), SPARSE_MIN_PAYLOAD for sparse ones (flash_mla/_geometry.py says why)."""
+    twin, through the metadata op while torch.compile traces. plan: the scheduler's keyword arguments, {} for dense
+    plans (SPEC.md's rule), SPARSE_PLAN for sparse ones (flash_mla/_geometry.py says why)."""
     _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, num_heads_q)
     if _is_compiling():
-        return _ops.metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
+        return _ops.metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, **plan)
     if num_sms is None:
         num_sms = default_num_sms(cache_seqlens.device)
     else:
         _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
-    return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload)
+    return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, **plan)
 
 
 def _plan(fn: str, schedule: MLASchedule, q, k_cache, block_table, cache_seqlens, head_dim_v, softmax_scale, causal,
@@ -364,7 +365,7 @@ def _plan_sparse(fn: str, schedule: MLASchedule, q, indices, topk_length) -> Tup
     if schedule.tile_scheduler_metadata is None:
         lengths = (topk_length.contiguous() if topk_length is not None
                    else torch.full((b,), topk, dtype=torch.int32, device=q.device))
-        md, ns = _metadata(lengths, s_q * h_q, 1, None, schedule.num_sms, SPARSE_MIN_PAYLOAD)
+        md, ns = _metadata(lengths, s_q * h_q, 1, None, schedule.num_sms, SPARSE_PLAN)
         schedule.tile_scheduler_metadata, schedule.num_splits = md, ns
         schedule.shape, schedule.topk = (b, s_q, h_q, 1), topk
     elif schedule.topk is None or (b, s_q, h_q, 1, topk) != (*schedule.shape, schedule.topk):

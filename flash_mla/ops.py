@@ -1,8 +1,10 @@
 """torch.library custom ops for both calls, so torch.compile traces a decoding step without graph breaks.
 
-    torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0)
+    torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0,
+                                         tight_payload=False)
         -> (tile_scheduler_metadata, num_splits)          num_sms = 0: the device's multiprocessor count
-                                                          min_payload: the payload floor (scheduler.schedule)
+                                                          min_payload, tight_payload: the payload's floor and
+                                                          rule (scheduler.schedule)
     torch.ops.flash_mla.mla_decode(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata,
                                    num_splits, softmax_scale, causal, backend=None, attn_sink=None,
                                    descale_q=None, descale_k=None)
@@ -26,7 +28,7 @@ Sparse FP8 decoding (DeepSeek-V3.2, flash_mla/sparse_fp8.py) is an op of its own
         -> (out, softmax_lse)
 
 with the arguments of backends.run_sparse_decode (topk_length and attn_sink optional); its plan comes from the
-metadata op on the rows' lengths (topk_length, or full(topk)) with min_payload = SPARSE_MIN_PAYLOAD, as
+metadata op on the rows' lengths (topk_length, or full(topk)) with the sparse plan's rules (SPARSE_PLAN), as
 flash_mla.interface makes it.
 
 The fake (meta) implementations give the output shapes without running anything:
@@ -62,15 +64,20 @@ def _resolve_num_sms(num_sms: int, device: torch.device) -> int:
 if AVAILABLE:
     @torch.library.custom_op("flash_mla::get_mla_metadata", mutates_args=())
     def get_mla_metadata(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
-                         num_sms: int, min_payload: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        # min_payload: the payload floor (0: dense plans; SPARSE_MIN_PAYLOAD: sparse ones; scheduler.schedule)
-        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload)
+                         num_sms: int, min_payload: int = 0,
+                         tight_payload: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        # min_payload, tight_payload: the payload's floor and rule (0 and False: dense plans; _geometry.SPARSE_PLAN:
+        # sparse ones; scheduler.schedule)
+        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload,
+                                        tight_payload=tight_payload)
         return run_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k,
-                            _resolve_num_sms(num_sms, cache_seqlens.device), min_payload)
+                            _resolve_num_sms(num_sms, cache_seqlens.device), min_payload, tight_payload)
 
     @get_mla_metadata.register_fake
-    def _get_mla_metadata_fake(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0):
-        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload)
+    def _get_mla_metadata_fake(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0,
+                               tight_payload=False):
+        _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload,
+                                        tight_payload=tight_payload)
         parts = num_sm_parts_for(_resolve_num_sms(num_sms, cache_seqlens.device), num_heads_per_head_k, num_heads_k)
         return (cache_seqlens.new_empty((parts, METADATA_WIDTH)),
                 cache_seqlens.new_empty((cache_seqlens.shape[0] + 1,)))
@@ -130,16 +137,19 @@ def _check_sparse(q, k_cache, indices, topk_length, tile_scheduler_metadata, num
                                                 topk_length, pointers=pointers, fn=fn)
 
 
-def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0):
+def metadata_for_compile(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms, min_payload=0,
+                         tight_payload=False):
     """get_mla_metadata while torch.compile traces: validate (traced; no tensor data is read), call the op.
-    min_payload: the payload floor (SPARSE_MIN_PAYLOAD for sparse plans, else 0)."""
-    _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload)
+    min_payload, tight_payload: the payload's floor and rule (_geometry.SPARSE_PLAN for sparse plans, else the
+    defaults)."""
+    _validation.check_metadata_args(cache_seqlens, num_heads_per_head_k, num_heads_k, min_payload=min_payload,
+                                    tight_payload=tight_payload)
     if num_sms is None:
         num_sms = 0
     else:
         _validation._Checker("get_mla_metadata").integer("num_sms", num_sms, 1)
     return torch.ops.flash_mla.get_mla_metadata(cache_seqlens, num_heads_per_head_k, num_heads_k, num_sms,
-                                                min_payload)
+                                                min_payload, tight_payload)
 
 
 def decode_for_compile(q, k_cache, block_table, cache_seqlens, head_dim_v, tile_scheduler_metadata, num_splits,

@@ -6,8 +6,9 @@ CUDA metadata kernel is checked against bit for bit, and the scheduler the CPU b
 Work unit: one 64-token page ("block") of one sequence. Every piece of a sequence a part takes also costs
 ``FIXED_OVERHEAD`` block-equivalents (reading Q, writing the output, combining).
 
-Sparse FP8 plans add a floor on each part's payload, ``SPARSE_MIN_PAYLOAD`` (flash_mla/_geometry.py says why; the
-rule is written in docs/PERF.md "Scheduler"): the ``min_payload`` argument here and in the CUDA kernel.
+Sparse FP8 plans take the smallest payload that still covers the batch (``tight_payload``, `plan_payload`) and a
+floor on it, ``SPARSE_MIN_PAYLOAD`` (``min_payload``): _geometry.SPARSE_PLAN, the same arguments here and in the
+CUDA kernel (flash_mla/_geometry.py says why; the rules are written in docs/PERF.md "Scheduler").
 """
 from __future__ import annotations
 
@@ -44,24 +45,11 @@ class Piece:
     slot: int            # workspace slot for split pieces: num_splits[seq] + split_idx
 
 
-def schedule(seqlens: Sequence[int], num_sm_parts: int,
-             min_payload: int = 0) -> Tuple[List[List[int]], List[int]]:
-    """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists.
-
-    min_payload: a floor on each part's payload, in blocks (FIXED_OVERHEAD included):
-    payload = max(ceil(total / num_sm_parts) + FIXED_OVERHEAD, min_payload). 0 (no floor) is SPEC.md's rule, the
-    dense plan; sparse plans pass SPARSE_MIN_PAYLOAD; benchmarks/plan_policy.py times other floors. A floor that
-    binds leaves the trailing parts without work (begin_seq = b)."""
-    b = len(seqlens)
-    if b == 0:
-        raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
-    i = next((i for i, L in enumerate(seqlens) if int(L) < 0), None)
-    if i is not None:
-        raise ValueError(f"get_mla_metadata: cache_seqlens[{i}]: expected a length >= 0, got {int(seqlens[i])}")
-    blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
-    total = sum(blocks) + FIXED_OVERHEAD * b
-    payload = max(ceil_div(total, num_sm_parts) + FIXED_OVERHEAD, min_payload)
-
+def _walk(seqlens: Sequence[int], blocks: Sequence[int], num_sm_parts: int,
+          payload: int) -> Tuple[List[List[int]], List[int], int]:
+    """The greedy walk of SPEC.md with a given payload: (metadata rows, num_splits prefix sums, sequences covered).
+    The plan is valid only if the last value is len(blocks) (the parts' payload covers the whole batch)."""
+    b = len(blocks)
     metadata: List[List[int]] = []
     num_splits = [0] * (b + 1)
     seq, block, split_idx = 0, 0, 0   # walk position: sequence, first untaken block, pieces already cut
@@ -87,16 +75,56 @@ def schedule(seqlens: Sequence[int], num_sm_parts: int,
             end_seq = seq - 1
             end_token = int(seqlens[end_seq]) if end_seq >= 0 else 0
         metadata.append([begin_seq, begin_block * PAGE_BLOCK_SIZE, end_seq, end_token, begin_split, 0, 0, 0])
-    assert seq == b, "scheduler invariant: the parts' payload covers the whole batch"
+    return metadata, num_splits, seq
+
+
+def plan_payload(seqlens: Sequence[int], blocks: Sequence[int], num_sm_parts: int, min_payload: int = 0,
+                 tight_payload: bool = False) -> int:
+    """Each SM part's payload, in blocks (FIXED_OVERHEAD included).
+
+    SPEC.md's rule: ceil(total / num_sm_parts) + FIXED_OVERHEAD, which always covers the batch. tight_payload: the
+    smallest payload >= ceil(total / num_sm_parts) whose walk still covers the batch (at most FIXED_OVERHEAD
+    candidates below SPEC.md's), so the busiest part carries as little as the walk allows: 16 sequences of 32
+    pages over 66 parts take 64 parts of 8 pages instead of 48 of 9 and 16 of 5 (docs/PERF.md "Scheduler").
+    min_payload: a floor on the result."""
+    total = sum(blocks) + FIXED_OVERHEAD * len(blocks)
+    lowest = ceil_div(total, num_sm_parts)
+    payload = lowest + FIXED_OVERHEAD
+    if tight_payload:
+        payload = next(c for c in range(lowest, payload + 1)
+                       if _walk(seqlens, blocks, num_sm_parts, c)[2] == len(blocks))
+    return max(payload, min_payload)
+
+
+def schedule(seqlens: Sequence[int], num_sm_parts: int, min_payload: int = 0,
+             tight_payload: bool = False) -> Tuple[List[List[int]], List[int]]:
+    """Apply the scheduler rules. Returns (metadata rows, num_splits prefix sums) as Python lists.
+
+    min_payload: a floor on each part's payload, in blocks (FIXED_OVERHEAD included). 0 (no floor) is SPEC.md's
+    rule, the dense plan; sparse plans pass SPARSE_MIN_PAYLOAD; benchmarks/plan_policy.py times other plans. A
+    floor that binds leaves the trailing parts without work (begin_seq = b). tight_payload: the smallest payload
+    that covers the batch instead of SPEC.md's (plan_payload)."""
+    b = len(seqlens)
+    if b == 0:
+        raise ValueError("cache_seqlens: expected at least one sequence, got an empty batch")
+    i = next((i for i, L in enumerate(seqlens) if int(L) < 0), None)
+    if i is not None:
+        raise ValueError(f"get_mla_metadata: cache_seqlens[{i}]: expected a length >= 0, got {int(seqlens[i])}")
+    blocks = [ceil_div(int(L), PAGE_BLOCK_SIZE) for L in seqlens]
+    payload = plan_payload(seqlens, blocks, num_sm_parts, min_payload, tight_payload)
+    metadata, num_splits, covered = _walk(seqlens, blocks, num_sm_parts, payload)
+    assert covered == b, "scheduler invariant: the parts' payload covers the whole batch"
     return metadata, num_splits
 
 
 def get_mla_metadata_twin(cache_seqlens: torch.Tensor, num_heads_per_head_k: int, num_heads_k: int,
-                          num_sms: int, min_payload: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                          num_sms: int, min_payload: int = 0,
+                          tight_payload: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
     """The scheduler's tensors, exactly as the CUDA metadata kernel returns them (on cache_seqlens.device);
-    min_payload: the payload floor (see `schedule`; SPARSE_MIN_PAYLOAD for sparse plans)."""
+    min_payload: the payload floor, tight_payload: the smallest covering payload (see `schedule`; sparse plans
+    pass _geometry.SPARSE_PLAN)."""
     parts = num_sm_parts_for(num_sms, num_heads_per_head_k, num_heads_k)
-    metadata, num_splits = schedule(cache_seqlens.tolist(), parts, min_payload)
+    metadata, num_splits = schedule(cache_seqlens.tolist(), parts, min_payload, tight_payload)
     dev = cache_seqlens.device
     return (torch.tensor(metadata, dtype=torch.int32, device=dev).reshape(parts, METADATA_WIDTH),
             torch.tensor(num_splits, dtype=torch.int32, device=dev))

@@ -104,13 +104,16 @@ def test_ops_validate_their_arguments():
         torch.ops.flash_mla.get_mla_metadata(batch.cache_seqlens, 32, 1, -3)
 
 
-def test_metadata_op_carries_the_payload_floor():
-    """min_payload (trailing, default 0) reaches the scheduler and is checked: b = 1, 2048 tokens, 128 rows on 132
-    SMs (66 parts) gives 32 one-page pieces without a floor and 16 two-page ones with the sparse floor 7."""
+def test_metadata_op_carries_the_payload_rules():
+    """min_payload and tight_payload (trailing, default 0 and False) reach the scheduler and are checked: b = 1,
+    2048 tokens, 128 rows on 132 SMs (66 parts) gives 32 one-page pieces without a floor and 16 two-page ones with
+    the sparse floor 7; b = 16 gives 48 pieces of 9 pages and 16 of 5 with SPEC.md's payload, 64 of 8 with the
+    tight one."""
     from flash_mla._geometry import SPARSE_MIN_PAYLOAD
     from flash_mla.scheduler import schedule
     schema = str(torch.ops.flash_mla.get_mla_metadata.default._schema)
-    assert re.search(r"\w+ num_sms, \w+ min_payload=0\) -> \(Tensor, Tensor\)$", schema), schema
+    assert re.search(r"\w+ num_sms, \w+ min_payload=0, bool tight_payload=False\) -> \(Tensor, Tensor\)$",
+                     schema), schema
     lens = torch.tensor([2048], dtype=torch.int32)
     md, ns = torch.ops.flash_mla.get_mla_metadata(lens, 128, 1, 132, SPARSE_MIN_PAYLOAD)
     assert ns.tolist() == [0, 16] and (md.tolist(), ns.tolist()) == schedule([2048], 66, min_payload=7)
@@ -118,7 +121,20 @@ def test_metadata_op_carries_the_payload_floor():
     assert ns0.tolist() == [0, 32] and (md0.tolist(), ns0.tolist()) == schedule([2048], 66)
     with pytest.raises(ValueError, match=r"^get_mla_metadata: min_payload: expected an int >= 0, got -1"):
         torch.ops.flash_mla.get_mla_metadata(lens, 128, 1, 132, -1)
+    lens16 = torch.full((16,), 2048, dtype=torch.int32)
+    md, ns = torch.ops.flash_mla.get_mla_metadata(lens16, 128, 1, 132, SPARSE_MIN_PAYLOAD, True)
+    assert ns.tolist() == list(range(0, 65, 4)) and md[:4].tolist() == [[0, 512 * k, 0, 512 * (k + 1), k, 0, 0, 0]
+                                                                     for k in range(4)]
+    assert (md.tolist(), ns.tolist()) == schedule([2048] * 16, 66, min_payload=7, tight_payload=True)
+    md_spec = torch.ops.flash_mla.get_mla_metadata(lens16, 128, 1, 132, SPARSE_MIN_PAYLOAD)[0]
+    assert md_spec[:4].tolist() == [[0, 0, 0, 576, 0, 0, 0, 0], [0, 576, 0, 1152, 1, 0, 0, 0],
+                                    [0, 1152, 0, 1728, 2, 0, 0, 0], [0, 1728, 0, 2048, 3, 0, 0, 0]]
+    from flash_mla import _validation
+    with pytest.raises(TypeError, match=r"^get_mla_metadata: tight_payload: expected a bool, got int 1"):
+        _validation.check_metadata_args(lens16, 128, 1, min_payload=7, tight_payload=1)
     torch.library.opcheck(torch.ops.flash_mla.get_mla_metadata.default, (lens, 128, 1, 132, SPARSE_MIN_PAYLOAD))
+    torch.library.opcheck(torch.ops.flash_mla.get_mla_metadata.default, (lens16, 128, 1, 132, SPARSE_MIN_PAYLOAD,
+                                                                         True))
 
 
 OPCHECK_CASES = [  # seqlens, s_q, h_q, h_kv, dtype

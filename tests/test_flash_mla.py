@@ -128,17 +128,19 @@ def test_metadata_kernel_large_batches(rows, h_kv):
 
 @needs_hopper
 def test_metadata_kernel_sparse_payload_floor():
-    """The device scheduler's sparse plans (payload floor SPARSE_MIN_PAYLOAD) equal the twin's: the classic form
-    with topk on the referee's shapes (b = 1, h_q 128, s_q 1 is where the floor binds: 16 parts of two pages, not
-    32 of one), and the extension called directly on ragged lengths (as a lazy schedule plans on topk_length) with
-    this floor and others; dense plans on the same lengths keep the SPEC rule."""
-    from flash_mla._geometry import SPARSE_MIN_PAYLOAD
+    """The device scheduler's sparse plans (SPARSE_PLAN: the smallest covering payload, floored at
+    SPARSE_MIN_PAYLOAD) equal the twin's: the classic form with topk on the referee's shapes (b = 1, h_q 128, s_q 1
+    is where the floor binds: 16 parts of two pages, not 32 of one; b = 16 where the tight payload gives 64 parts of
+    8 pages, not 48 of 9 and 16 of 5), and the extension called directly on ragged lengths (as a lazy schedule plans
+    on topk_length) with this floor and others, with and without the tight payload; dense plans on the same lengths
+    keep the SPEC rule."""
+    from flash_mla._geometry import SPARSE_MIN_PAYLOAD, SPARSE_PLAN
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     for b, s_q, h_q in ((1, 1, 128), (1, 2, 128), (16, 1, 128), (16, 2, 128), (32, 1, 64), (128, 2, 128)):
         full = torch.full((b,), 2048, dtype=torch.int32)
         md, ns = flash_mla.get_mla_metadata(full.cuda(), s_q * h_q, 1, num_heads_q=h_q, is_fp8_kvcache=True,
                                             topk=2048)
-        twin_md, twin_ns = get_mla_metadata_twin(full, s_q * h_q, 1, num_sms, SPARSE_MIN_PAYLOAD)
+        twin_md, twin_ns = get_mla_metadata_twin(full, s_q * h_q, 1, num_sms, **SPARSE_PLAN)
         assert torch.equal(md.cpu(), twin_md) and torch.equal(ns.cpu(), twin_ns), f"b={b} s_q={s_q} h_q={h_q}"
         dense_md, dense_ns = flash_mla.get_mla_metadata(full.cuda(), s_q * h_q, 1)
         plain_md, plain_ns = get_mla_metadata_twin(full, s_q * h_q, 1, num_sms)
@@ -146,16 +148,25 @@ def test_metadata_kernel_sparse_payload_floor():
     if num_sms == 132:
         md, ns = flash_mla.get_mla_metadata(torch.zeros(1, dtype=torch.int32, device="cuda"), 128, 1, topk=2048)
         assert ns.tolist() == [0, 16]
+        md, ns = flash_mla.get_mla_metadata(torch.zeros(16, dtype=torch.int32, device="cuda"), 128, 1, topk=2048)
+        assert ns.tolist() == list(range(0, 65, 4)) and md[63].tolist() == [15, 1536, 15, 2048, 3, 0, 0, 0]
     gen = torch.Generator().manual_seed(11)
     ext = cuda_extension()
-    for b in (1, 3, 40, 5000):
+    tightened = 0
+    for b in (1, 3, 16, 40, 5000):
         lengths = torch.randint(0, 2049, (b,), generator=gen, dtype=torch.int32)
         lengths[::5] = 0
         for rows in (64, 128, 256):
             for floor in (0, SPARSE_MIN_PAYLOAD, 9, 37, 100_000):
-                md, ns = ext.get_mla_metadata(lengths.cuda(), rows, 1, num_sms, floor)
-                twin_md, twin_ns = get_mla_metadata_twin(lengths, rows, 1, num_sms, floor)
-                assert torch.equal(md.cpu(), twin_md) and torch.equal(ns.cpu(), twin_ns), f"b={b} floor={floor}"
+                for tight in (False, True):
+                    md, ns = ext.get_mla_metadata(lengths.cuda(), rows, 1, num_sms, floor, tight)
+                    twin_md, twin_ns = get_mla_metadata_twin(lengths, rows, 1, num_sms, floor, tight)
+                    what = f"b={b} rows={rows} floor={floor} tight={tight}"
+                    assert torch.equal(md.cpu(), twin_md) and torch.equal(ns.cpu(), twin_ns), what
+                    if tight:
+                        tightened += not torch.equal(twin_md, get_mla_metadata_twin(lengths, rows, 1, num_sms,
+                                                                                    floor)[0])
+    assert tightened >= 5, f"the tight payload changed only {tightened} plans: the test would prove little"
     with pytest.raises(RuntimeError, match=r"min_payload: expected an int in \[0, 2\^31\), got -1"):
         ext.get_mla_metadata(lengths.cuda(), 64, 1, num_sms, -1)
 

@@ -34,7 +34,7 @@ import flash_mla  # noqa: E402
 from flash_mla import (  # noqa: E402
     dequantize_kv_cache_v32, flash_mla_with_kvcache, get_mla_metadata, ops, quantize_kv_cache_v32,
     sparse_decode_reference)
-from flash_mla._geometry import SPARSE_MIN_PAYLOAD  # noqa: E402
+from flash_mla._geometry import SPARSE_PLAN  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin, num_sm_parts_for  # noqa: E402
 from flash_mla.sparse_fp8 import (  # noqa: E402
     NUM_SCALES, ROPE_OFFSET, SCALE_GROUP, SCALES_OFFSET, TOKEN_BYTES, valid_index_mask)
@@ -289,7 +289,7 @@ def test_split_independence(nan_empty, h_q):
     results = {}
     for num_sms in (1, 7, H100_SMS):
         for form in ("lazy", "classic"):
-            _, ns = (get_mla_metadata_twin(batch.topk_length, 2 * h_q, 1, num_sms, SPARSE_MIN_PAYLOAD)
+            _, ns = (get_mla_metadata_twin(batch.topk_length, 2 * h_q, 1, num_sms, **SPARSE_PLAN)
                      if form == "lazy" else plan_classic(batch, num_sms))
             pieces[num_sms, form] = ns.diff().max().item()
             results[num_sms, form] = run(batch, form, num_sms=num_sms)
@@ -331,7 +331,7 @@ def test_deterministic_and_lazy_schedule_reused(nan_empty):
     again = run(batch, plan=(schedule, None))                               # the next layer: same plan
     assert schedule.tile_scheduler_metadata is md
     assert all(torch.equal(x, y) for x, y in zip(first, again))
-    expected_md, expected_ns = get_mla_metadata_twin(batch.topk_length, 128, 1, H100_SMS, SPARSE_MIN_PAYLOAD)
+    expected_md, expected_ns = get_mla_metadata_twin(batch.topk_length, 128, 1, H100_SMS, **SPARSE_PLAN)
     assert torch.equal(md, expected_md) and torch.equal(ns, expected_ns)   # planned on topk_length, floored
     plain_md, _ = get_mla_metadata_twin(batch.topk_length, 128, 1, H100_SMS)
     assert not torch.equal(md, plain_md), "the floor does not bind here: the check above would prove less"
@@ -342,7 +342,7 @@ def test_classic_plan_is_full_topk():
     for num_sms in (20, H100_SMS):          # payload 3 + 5 = 8 (the floor 7 does not bind); 1 + 5 = 6 (it does)
         md, ns = plan_classic(batch, num_sms=num_sms)
         full = torch.full((3,), 200, dtype=torch.int32)
-        expected = get_mla_metadata_twin(full, 128, 1, num_sms, SPARSE_MIN_PAYLOAD)
+        expected = get_mla_metadata_twin(full, 128, 1, num_sms, **SPARSE_PLAN)
         assert torch.equal(md, expected[0]) and torch.equal(ns, expected[1]), num_sms
         assert torch.equal(ns, get_mla_metadata_twin(full, 128, 1, num_sms)[1]) == (num_sms == 20)
 
@@ -353,7 +353,7 @@ def test_sparse_plans_have_the_payload_floor(nan_empty):
     same length keeps the SPEC rule. The floored plan runs and matches the reference."""
     batch = make_sparse_batch(b=1, s_q=1, h_q=128, topk=2048, num_blocks=40, seed=19)
     full = torch.full((1,), 2048, dtype=torch.int32)
-    floored = get_mla_metadata_twin(full, 128, 1, H100_SMS, SPARSE_MIN_PAYLOAD)
+    floored = get_mla_metadata_twin(full, 128, 1, H100_SMS, **SPARSE_PLAN)
     assert floored[1].tolist() == [0, 16] and floored[0][:16, 3].tolist() == [128 * (p + 1) for p in range(16)]
     md, ns = plan_classic(batch, num_sms=H100_SMS)
     assert torch.equal(md, floored[0]) and torch.equal(ns, floored[1])
@@ -435,11 +435,11 @@ def test_debug_mode_checks_the_plan(monkeypatch):
     # floored plan's num_splits in the message; the floored ones are accepted
     for lengths in ([200] * 3, [200, 3, 150]):
         lens = torch.tensor(lengths, dtype=torch.int32)
-        floored = get_mla_metadata_twin(lens, 32, 1, H100_SMS, SPARSE_MIN_PAYLOAD)
+        floored = get_mla_metadata_twin(lens, 32, 1, H100_SMS, **SPARSE_PLAN)
         plain = get_mla_metadata_twin(lens, 32, 1, H100_SMS)
         assert not torch.equal(floored[1], plain[1])
         check(batch, *run(batch, plan=floored), what=f"floored plan of {lengths}")
-        lazy_ns = get_mla_metadata_twin(batch.topk_length, 32, 1, H100_SMS, SPARSE_MIN_PAYLOAD)[1].tolist()
+        lazy_ns = get_mla_metadata_twin(batch.topk_length, 32, 1, H100_SMS, **SPARSE_PLAN)[1].tolist()
         expected = re.escape(f"(topk_length: num_splits {lazy_ns}, 132 x 8 metadata")
         with pytest.raises(ValueError, match=rf"^{FN}: tile_scheduler_metadata: expected .*{expected}"):
             run(batch, plan=plain)

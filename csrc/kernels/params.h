@@ -39,6 +39,9 @@ struct MetadataParams {
   // FIXED_OVERHEAD, min_payload). 0 for dense plans (SPEC.md's rule); sparse plans pass SPARSE_MIN_PAYLOAD of
   // flash_mla/_geometry.py (pairs of pages for the sparse kernel's two computing warpgroups).
   int min_payload;
+  // The smallest payload >= ceil(total / num_sm_parts) whose walk covers the batch instead of SPEC.md's (false for
+  // dense plans, true for sparse ones: flash_mla/scheduler.py plan_payload).
+  bool tight_payload;
 };
 
 // How q is stored relative to the kernel's 16-bit math type. Only the FP8-cache kernels (fp16 math) see anything
