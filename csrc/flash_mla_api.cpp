@@ -288,8 +288,14 @@ std::vector<at::Tensor> sparse_decode(const at::Tensor& q, const at::Tensor& k_c
   if (!flat || reinterpret_cast<uintptr_t>(tokens.data_ptr()) % 16 != 0) tokens = tokens.contiguous();
   const auto indices_c = indices.stride(2) == 1 ? indices : indices.contiguous();
   const at::Tensor lengths_c = topk_length.has_value() ? topk_length->contiguous() : at::Tensor();
+  // The kernel copies its Q tiles by TMA (kv_cache_tma.h, encode_q_tma), whose strides must be nonzero: an expanded
+  // q (stride 0 over more than one entry) is copied first.
+  at::Tensor q_c = q;
+  for (int d = 0; d < 3; ++d) {
+    if (q.size(d) > 1 && q.stride(d) == 0) q_c = q.contiguous();
+  }
   // One KV head: the packed rows of a batch row are its s_q * h_q (token, head) pairs.
-  DecodeSetup setup(q, /*num_heads_k=*/1, at::kBFloat16, metadata, num_splits, softmax_scale, attn_sink);
+  DecodeSetup setup(q_c, /*num_heads_k=*/1, at::kBFloat16, metadata, num_splits, softmax_scale, attn_sink);
   DecodeParams& p = setup.params;
   p.q_format = kQAsMath;
   p.out_bf16 = true;

@@ -19,7 +19,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import pytest
@@ -849,6 +849,33 @@ def test_gpu_cuda_kernel_edge_cases():
         assert torch.equal(out, out2) and torch.equal(lse, lse2)
         out3, lse3 = run(batch, "classic", backend="cuda")
         assert torch.equal(out, out3) and torch.equal(lse, lse3)                 # deterministic
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
+def test_gpu_cuda_q_layouts():
+    """The Hopper kernel copies its Q tiles by TMA (a tensor map over q's own strides): a q sliced from wider rows,
+    one whose batch rows are every other row of a larger q, one with (s_q, h_q) stored transposed, and an expanded
+    one (stride 0 over the heads: copied first) give exactly the results of the same values stored contiguously;
+    h_q 64 and 128 (one and two Q tiles per query token), lengths ending inside either page buffer."""
+    for h_q in (64, 128):
+        batch = make_sparse_batch(b=3, s_q=2, h_q=h_q, topk=300, num_blocks=40, seed=90 + h_q,
+                                  topk_length=[300, 129, 64]).to("cuda")
+        q = batch.q
+        wide = torch.randn(3, 2, h_q, 640, device="cuda").bfloat16()
+        wide[..., :576] = q
+        every_other = torch.randn(6, 2, h_q, 576, device="cuda").bfloat16()
+        every_other[::2] = q
+        transposed = q.transpose(1, 2).contiguous().transpose(1, 2)
+        expanded = q[:, :, :1].expand(-1, -1, h_q, -1)
+        layouts = {"sliced": (wide[..., :576], q), "every other batch row": (every_other[::2], q),
+                   "(s_q, h_q) transposed": (transposed, q), "expanded heads": (expanded, expanded.contiguous())}
+        for what, (strided, values) in layouts.items():
+            assert not strided.is_contiguous(), what
+            out, lse = run(replace(batch, q=strided), "classic", backend="cuda")
+            want_out, want_lse = run(replace(batch, q=values), "classic", backend="cuda")
+            assert torch.equal(out, want_out) and torch.equal(lse, want_lse), f"h_q {h_q}, q {what}"
+        check(batch, *run(batch, "classic", backend="cuda"), what=f"h_q {h_q}", backend="cuda")
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-// Host side of the split kernel's TMA page copies: the tensor map (CUtensorMap) of the paged KV cache.
+// Host side of the split kernel's TMA copies: the tensor map (CUtensorMap) of the paged KV cache, and the sparse
+// kernel's map of q (encode_q_tma, at the end).
 //
 // The cache (num_blocks, 64, num_heads_k, 576) is described as a 4-D tensor, innermost first:
 //   (576 columns, 64 tokens, num_heads_k, num_blocks)     strides in bytes: (element size, token, head, block)
@@ -68,6 +69,33 @@ inline void encode_kv_cache_tma(DecodeParams& params, CacheDtype dtype) {
   if (res != CUDA_SUCCESS) {
     throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for k_cache (CUresult " +
                              std::to_string(int(res)) + "); strides must be multiples of 16 bytes");
+  }
+}
+
+// Fills params.q_tma: q (batch, seqlen_q, num_heads_q, 576) of 16-bit elements as the 4-D tensor
+//   (576 columns, num_heads_q, seqlen_q, batch)     strides in bytes: (2, head, token, batch)
+// copied in boxes of 64 columns x 64 heads with the 128-byte swizzle: one segment of SmemLayoutK (the Q tile's
+// layout), so a Q tile of the sparse kernel (64 heads of one query token: num_heads_q is a multiple of 64 there)
+// is nine copies. The copies are bytes to TMA (UINT16): q's dtype does not matter. A dimension of one entry may
+// have any stride in torch; TMA wants nonzero multiples of 16 bytes, and its stride is never used: 16 then.
+inline void encode_q_tma(DecodeParams& params) {
+  static_assert(sizeof(CUtensorMap) == sizeof(params.q_tma), "DecodeParams.q_tma holds a CUtensorMap");
+  std::memset(params.q_tma, 0, sizeof(params.q_tma));
+  constexpr cuuint64_t kElementBytes = 2;
+  const cuuint64_t dims[4] = {cuuint64_t(kHeadDimQK), cuuint64_t(params.num_heads_q), cuuint64_t(params.seqlen_q),
+                              cuuint64_t(params.batch)};
+  const int64_t element_strides[3] = {params.q_head_stride, params.q_token_stride, params.q_batch_stride};
+  cuuint64_t strides[3];
+  for (int d = 0; d < 3; ++d) strides[d] = dims[d + 1] == 1 ? 16 : cuuint64_t(element_strides[d]) * kElementBytes;
+  const cuuint32_t box[4] = {128 / kElementBytes, cuuint32_t(kRowsPerTile), 1, 1};    // 128-byte rows
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = tensor_map_encoder()(
+      reinterpret_cast<CUtensorMap*>(params.q_tma), CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, const_cast<void*>(params.q),
+      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for q (CUresult " + std::to_string(int(res)) +
+                             "); strides must be nonzero multiples of 16 bytes");
   }
 }
 

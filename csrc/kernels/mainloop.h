@@ -148,8 +148,8 @@ struct SplitKvMainloop {
 
   // ===================================== copies (global -> shared) ===========================================
 
-  // The Q tile goes by cp.async (rows past rows_per_kv are zero-filled): a warpgroup copies a 64 x 64 segment
-  // in 16-byte chunks: thread t owns chunk t % 8 of rows t / 8 + 16 i.
+  // The Q tile goes by cp.async (rows past rows_per_kv are zero-filled; the sparse kernel's by TMA, load_q): a
+  // warpgroup copies a 64 x 64 segment in 16-byte chunks: thread t owns chunk t % 8 of rows t / 8 + 16 i.
   // Moving by 16 rows (two 8-row swizzle atoms) or by one segment adds a constant that leaves the swizzle
   // bits alone, so only the first address goes through the swizzled layout.
   static constexpr int kCopyRowStep = kWgThreads / 8;                 // 16 rows
@@ -311,9 +311,24 @@ struct SplitKvMainloop {
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
   // Issued by one warpgroup; arrives on q_full. An e4m3 q (kE4m3Scores) is copied as bytes in SmemLayoutQ8, a
   // bf16 q for fp16 math as it is (widen_q rounds it).
+  // Sparse cache: nine TMA copies (one per segment, p.q_tma) issued by the warpgroup's first thread, which arms
+  // q_full with their bytes: the tile is 64 heads of one query token (num_heads_q is a multiple of 64 there, one KV
+  // head), and no load/store instruction of the CTA waits behind the gather warpgroup's cp.async in the start's
+  // crowded memory pipe.
   __device__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int m_tile) {
     if constexpr (Traits::kE4m3Scores) {
       load_q_bytes(p, smem, seq, kv_head, m_tile);
+      return;
+    }
+    if constexpr (Traits::kSparse) {
+      if (threadIdx.x % kWgThreads != 0) return;
+      const int row0 = m_tile * Traits::kBlockM, token = row0 / p.heads_per_kv, head0 = row0 % p.heads_per_kv;
+      cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(&smem.q_full, kSegments * kSegmentBytes);
+      CUTE_UNROLL
+      for (int seg = 0; seg < kSegments; ++seg) {
+        cute::SM90_TMA_LOAD_4D::copy(p.q_tma, &smem.q_full, kEvictNormal, smem.q.data() + seg * kSegmentElems,
+                                     seg * kSegmentCols, head0, token, seq);
+      }
       return;
     }
     const int wg_thread = threadIdx.x % kWgThreads;

@@ -102,6 +102,9 @@ struct DecodeParams {
   // the 128-byte swizzle. Opaque bytes here (this header stays free of CUDA headers); the split kernel's
   // launcher fills it in, the binding leaves it alone.
   alignas(64) unsigned char k_cache_tma[128];
+  // Sparse kernel: TMA descriptor of q as (576, num_heads_q, seqlen_q, batch), 64 x 64 boxes with the 128-byte
+  // swizzle (a Q tile is 64 heads of one query token there); filled in by the sparse launcher (kv_cache_tma.h).
+  alignas(64) unsigned char q_tma[128];
 };
 
 // Launchers, one translation unit each (csrc/kernels/*.cu). All run on `stream` and never synchronise.

@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
         cutlass::arch::ClusterBarrier::init(&smem.unit_full[stage][unit], kUnitArrivals);
       }
     }
-    cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kWarpgroupThreads);    // cp.async: 128 arrivals
+    // cp.async: 128 arrivals; sparse (TMA): one arrival and the bytes.
+    cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kSparse ? 1 : Traits::kWarpgroupThreads);
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
     cutlass::arch::ClusterBarrier::init(&smem.v_right_widened, Traits::kWarpgroupThreads);
     if (Traits::kSparse) {
@@ -56,6 +57,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     cutlass::arch::fence_barrier_init();
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
     if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
+    if (Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.q_tma));
   }
 
   // One-tile grids are launched as programmatic dependents of the kernel before them (launch_splitkv): everything
@@ -102,10 +104,12 @@ template <class Element, class CacheElement = Element, bool kE4m3Scores = false>
 void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   using Traits = SplitKvTraits<Element, CacheElement, kE4m3Scores>;
   DecodeParams params = binding_params;
-  if constexpr (!Traits::kSparse) {    // sparse tokens are gathered by cp.async, not TMA
+  if constexpr (!Traits::kSparse) {    // sparse tokens are gathered by cp.async, not TMA; its Q tiles are TMA's
     encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
                                 : std::is_same_v<Element, cutlass::half_t> ? CacheDtype::kFp16
                                                                              : CacheDtype::kBf16);
+  } else {
+    encode_q_tma(params);
   }
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);

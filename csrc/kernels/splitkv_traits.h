@@ -184,7 +184,7 @@ struct SplitKvTraits {
     alignas(16) uint4 probs[kProbVectors][kWarpgroupThreads];
     alignas(16) float4 stats[kWarpgroupThreads];     // (max row 0, max row 1, sum row 0, sum row 1)
     // Completion of each copy unit of each page buffer (TMA transaction bytes) and of the Q tile (cp.async
-    // arrivals of the 128 threads that copy it).
+    // arrivals of the 128 threads that copy it; sparse: TMA transaction bytes).
     alignas(8) uint64_t unit_full[kStages][kUnits];
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
