@@ -109,7 +109,8 @@ def call_runner(mode, impl, q, ks, bt, seqlens, causal, gap_cycles=0):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_row_arguments(ap)
-    ap.add_argument("--replays", type=int, default=4, help="graph replays profiled per implementation")
+    ap.add_argument("--replays", type=int, default=4,
+                    help="rounds profiled per implementation (graph replays, or rounds of --launch's calls)")
     ap.add_argument("--gap-us", type=float, default=0.0,
                     help="a spin of about this many us (at the full clock) after each call: the board below its cap")
     ap.add_argument("--copies", type=int, default=None,
@@ -124,8 +125,9 @@ def main():
     import torch
     from torch.profiler import ProfilerActivity, profile
     q, ks, bt, seqlens, causal, impls = row_workload(args)
-    print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} graph replays per implementation; "
-          "us per call" + (f"; calls over {args.copies} cache copies" if args.copies else "")
+    rounds = {"graph": "graph replays", "graph-sync": "rounds of one-call graphs", "eager": "rounds of calls"}
+    print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {args.replays} {rounds[args.launch]} per "
+          "implementation; us per call" + (f"; calls over {args.copies} cache copies" if args.copies else "")
           + (f"; a {args.gap_us:g} us spin after each call" if args.gap_us else "")
           + (f"; launched {args.launch}" if args.launch != "graph" else ""))
     print("impl,kernel,launches_per_call,mean_us,exposed_us_per_call")
