@@ -25,7 +25,7 @@ import sys
 from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from row_workload import FULL_CLOCK_MHZ, add_row_arguments, capture_graph, row_label, row_workload
+from row_workload import FULL_CLOCK_MHZ, add_row_arguments, capture, capture_graph, row_label, row_workload
 
 
 def exposed_times(kernels):
@@ -90,14 +90,7 @@ def call_runner(mode, impl, q, ks, bt, seqlens, causal, gap_cycles=0):
         return run, len(ks), None
     impl.decode(q, ks[0], bt, seqlens, plan, causal)       # warm-up outside the capture
     torch.cuda.synchronize()
-    graphs, stream = [], torch.cuda.Stream()
-    for k in ks:
-        graph = torch.cuda.CUDAGraph()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-            out = impl.decode(q, k, bt, seqlens, plan, causal)
-        torch.cuda.current_stream().wait_stream(stream)
-        graphs.append((graph, out))
+    graphs = [capture(lambda k=k: impl.decode(q, k, bt, seqlens, plan, causal)) for k in ks]
 
     def run():
         for graph, _ in graphs:

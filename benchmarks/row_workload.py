@@ -65,6 +65,18 @@ def row_workload(args, prepared_copies=None):
     return q, ks, bt, seqlens, causal, impls
 
 
+def capture(record):
+    """(graph, result): a CUDA graph of the work `record()` launches, captured on a side stream (as torch.cuda.graph
+    wants), and what record() returned (its outputs: keep them alive while replaying)."""
+    import torch
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        result = record()
+    torch.cuda.current_stream().wait_stream(stream)
+    return graph, result
+
+
 def capture_graph(impl, q, ks, bt, seqlens, causal, gap_cycles=0):
     """(graph, calls, outs): the referee's graph for one implementation (sxs.time_graph: N calls over N cache
     copies), planned and captured just before its replays, since the anchors' plans share state between calls (a v1
@@ -77,15 +89,15 @@ def capture_graph(impl, q, ks, bt, seqlens, causal, gap_cycles=0):
     for i in range(2):
         impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal)
     torch.cuda.synchronize()
-    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+
+    def record():
         outs = []
         for i in range(calls):
             outs.append(impl.decode(q, ks[i % len(ks)], bt, seqlens, plan, causal))
             if gap_cycles > 0:
                 torch.cuda._sleep(gap_cycles)
-    torch.cuda.current_stream().wait_stream(stream)
+        return outs
+    graph, outs = capture(record)
     graph.replay()
     torch.cuda.synchronize()
     return graph, calls, outs
