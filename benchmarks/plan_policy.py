@@ -23,6 +23,7 @@ a single page, floor 7 two pages to each of 16 parts. flash_mla's sparse plans u
 import argparse
 import math
 import os
+import re
 import sys
 
 import torch
@@ -132,7 +133,7 @@ def time_sparse_workload(name, b, s_q, h_q, floors, num_sms):
                        decode, check)
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--min-payloads", default=None, help="floors, comma-separated, a trailing t for the tight "
                                                          "payload (default 0,0t,9,13,17,21,29,37; --sparse: "
@@ -140,15 +141,15 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding workloads instead of bf16 ones")
     ap.add_argument("--only", default=None, help="substring of the workload names to run")
     ap.add_argument("--csv", default=None)
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("skipped: plan_policy.py times GPU kernels and needs a CUDA GPU (none is visible)")
-        return 0
+    args = ap.parse_args(argv)
     default = "0,7,7t,9,13,21,37" if args.sparse else "0,0t,9,13,17,21,29,37"
     floors = (args.min_payloads or default).split(",")
     for floor in floors:
-        if not floor.rstrip("t").isdigit():
+        if not re.fullmatch(r"\d+t?", floor):
             ap.error(f"--min-payloads: expected integers, each maybe followed by t, got {floor!r}")
+    if not torch.cuda.is_available():
+        print("skipped: plan_policy.py times GPU kernels and needs a CUDA GPU (none is visible)")
+        return 0
     num_sms = torch.cuda.get_device_properties(0).multi_processor_count
     kind = f"sparse FP8 topk={SPARSE_TOPK}" if args.sparse else "bf16 causal"
     print(f"device: {torch.cuda.get_device_name()}  {kind} h_kv=1  num_sms={num_sms}")

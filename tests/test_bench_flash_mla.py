@@ -404,3 +404,17 @@ def test_plan_policy_sparse_indices():
             row = idx[i, s].tolist()
             assert len(set(row)) == topk and all(i * pool <= x < (i + 1) * pool for x in row)
     assert not torch.equal(idx[0, 0], idx[0, 1])      # each query token draws its own set
+
+
+def test_plan_policy_checks_its_plans_before_the_gpu(capsys):
+    """--min-payloads takes integers, each maybe followed by t (the tight payload); anything else is refused with
+    or without a GPU, and a CPU-only machine then skips cleanly."""
+    import plan_policy
+    for bad in ("7,x", "t", "7tt", "-1"):
+        with pytest.raises(SystemExit) as exc:
+            plan_policy.main(["--sparse", "--min-payloads", bad])
+        assert exc.value.code == 2, bad
+        assert "--min-payloads: expected integers" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert plan_policy.main(["--sparse", "--min-payloads", "7,7t"]) == 0
+        assert "skipped" in capsys.readouterr().out
