@@ -83,16 +83,17 @@ def plan_payload(seqlens: Sequence[int], blocks: Sequence[int], num_sm_parts: in
     """Each SM part's payload, in blocks (FIXED_OVERHEAD included).
 
     SPEC.md's rule: ceil(total / num_sm_parts) + FIXED_OVERHEAD, which always covers the batch. tight_payload: the
-    smallest payload >= ceil(total / num_sm_parts) whose walk still covers the batch (at most FIXED_OVERHEAD
-    candidates below SPEC.md's), so the busiest part carries as little as the walk allows: 16 sequences of 32
-    pages over 66 parts take 64 parts of 8 pages instead of 48 of 9 and 16 of 5 (docs/PERF.md "Scheduler").
+    smallest payload >= ceil(total / num_sm_parts) whose walk still covers the batch (the FIXED_OVERHEAD candidates
+    below SPEC.md's are walked, SPEC.md's if none covers), so the busiest part carries as little as the walk
+    allows: 16 sequences of 32 pages over 66 parts take 64 parts of 8 pages instead of 48 of 9 and 16 of 5
+    (docs/PERF.md "Scheduler").
     min_payload: a floor on the result."""
     total = sum(blocks) + FIXED_OVERHEAD * len(blocks)
     lowest = ceil_div(total, num_sm_parts)
     payload = lowest + FIXED_OVERHEAD
     if tight_payload:
-        payload = next(c for c in range(lowest, payload + 1)
-                       if _walk(seqlens, blocks, num_sm_parts, c)[2] == len(blocks))
+        payload = next((c for c in range(lowest, payload)
+                        if _walk(seqlens, blocks, num_sm_parts, c)[2] == len(blocks)), payload)
     return max(payload, min_payload)
 
 

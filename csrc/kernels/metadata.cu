@@ -84,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) mla_metadata_kernel(const MetadataPa
   __shared__ int split_seq[kMaxSmParts];        // sequences that were cut, in increasing order
   __shared__ int split_extra[kMaxSmParts + 1];  // inclusive prefix of (pieces - 1) over split_seq
   __shared__ int num_split_seqs;
-  __shared__ bool candidate_covers[kFixedOverhead + 1];
+  __shared__ bool candidate_covers[kFixedOverhead];
 
   // ---- cost_prefix[i] = sum_{j<i} (pages_j + FIXED_OVERHEAD) ------------------------------------------------
   int carry = 0;
@@ -100,11 +100,12 @@ __global__ void __launch_bounds__(kThreads) mla_metadata_kernel(const MetadataPa
   if (threadIdx.x == 0) p.cost_prefix[p.batch] = carry;
   __syncthreads();
 
-  // ---- the payload: SPEC.md's, or the smallest of the FIXED_OVERHEAD + 1 candidates from ceil(total / parts) up
-  // whose walk covers the batch (one thread each; the last candidate is SPEC.md's, which always covers) ---------
+  // ---- the payload: SPEC.md's (lowest + FIXED_OVERHEAD, which always covers), or with tight_payload the
+  // smallest of the FIXED_OVERHEAD candidates below it, from ceil(total / parts) up, whose walk covers the batch
+  // (one thread each) ------------------------------------------------------------------------------------------
   const int* prefix = p.cost_prefix;
   const int lowest = (prefix[p.batch] + p.num_sm_parts - 1) / p.num_sm_parts;
-  if (p.tight_payload && threadIdx.x <= kFixedOverhead)
+  if (p.tight_payload && threadIdx.x < kFixedOverhead)
     candidate_covers[threadIdx.x] = walk<false>(p, prefix, lowest + threadIdx.x, nullptr, nullptr, nullptr) == p.batch;
   __syncthreads();
 
