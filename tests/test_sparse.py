@@ -853,6 +853,34 @@ def test_gpu_cuda_kernel_edge_cases():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
+@pytest.mark.parametrize("h_q", [128, 256])
+def test_gpu_cuda_cluster_pairs_and_plans(nan_empty, h_q):
+    """The Hopper kernel launches the two 64-head row tiles of an SM part as a cluster of two: h_q 128 (one pair per
+    query token) and 256 (two), s_q 1 and 2; lengths ending inside either page buffer, on their boundaries and on a
+    half page, an empty row, a row of -1, -1 slots over one half of a page; plans of 1, 7 and 132 SM parts (pieces
+    split mid-row, one CTA pair walking many rows, one piece per pair); lse the same whatever the plan, and every
+    result the same on a second run."""
+    lengths = [0, 1, 31, 32, 33, 64, 65, 127, 128, 129, 700, 2048]
+    def edit(indices):
+        indices[3] = -1                     # a row whose slots are all -1: out 0, lse -inf
+        indices[10, :, 32:64] = -1          # half a page, then every other slot of the next half
+        indices[10, :, 64:96:2] = -1
+    batch = make_sparse_batch(b=len(lengths), s_q=2, h_q=h_q, topk=2048, num_blocks=512, topk_length=lengths,
+                              seed=90 + h_q, edit=edit, device="cuda")
+    for s_q in (1, 2):
+        part = SparseBatch(batch.q[:, :s_q].contiguous(), batch.k_cache, batch.indices[:, :s_q].contiguous(),
+                           batch.topk_length)
+        results = [run(part, "classic", num_sms=n, backend="cuda") for n in (1, 7, H100_SMS)]
+        for out, lse in results:
+            check(part, out, lse, what=f"cluster pairs h_q={h_q} s_q={s_q}", backend="cuda")
+        for _out, lse in results[1:]:
+            torch.testing.assert_close(lse, results[0][1], atol=1e-5, rtol=1e-5)
+        again = run(part, "classic", num_sms=H100_SMS, backend="cuda")
+        assert torch.equal(again[0], results[2][0]) and torch.equal(again[1], results[2][1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _is_hopper(), reason="needs a Hopper GPU and the compiled extension")
 def test_gpu_cuda_q_layouts():
     """The Hopper kernel copies its Q tiles by TMA (a tensor map over q's own strides): a q sliced from wider rows,
     one whose batch rows are every other row of a larger q, one with (s_q, h_q) stored transposed, and an expanded
