@@ -70,13 +70,14 @@ struct SplitKvTraits {
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
   // Sparse: page a's latent units are dequantised by kPageA itself, page b's by the gather warpgroup (measured
   // against page b by kPageB, and each S warpgroup its left V halves: docs/PERF.md). The warpgroup that dequantises
-  // gets the registers for it (240: it also keeps the P V frame, sparse_gather.h; 232 spilled), kPageB 200 (no
-  // spills from 200 to 216), the gather warpgroup 64 (its second unit's fp16 conversions spilled at 56).
+  // gets the registers for it (240: it also keeps the P V frame, sparse_gather.h; 232 spilled), kPageB 192 (no
+  // spills from 192 to 216), the gather warpgroup 72 (its second unit's fp16 conversions spilled at 56). 72 / 192
+  // against 64 / 200 measured the b = 128 rows 1.5-3 % faster (H200, docs/PERF.md), the small rows the same.
   static constexpr int kSelfDequantisedStage = 0;
   static constexpr bool self_dequantises(int stage) { return stage == kSelfDequantisedStage; }
   static constexpr int kPageARegisters = 240;
-  static constexpr int kPageBRegisters = 200;
-  static constexpr int kGatherRegisters = 64;
+  static constexpr int kPageBRegisters = 192;
+  static constexpr int kGatherRegisters = 72;
   static_assert(!kSparse || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kGatherRegisters) <=
                                 kThreads * kLaunchRegisters,
                 "the register split fits what the CTA holds");
