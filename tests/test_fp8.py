@@ -749,14 +749,17 @@ def test_gpu_cuda_matches_reference(q_dtype, descales, causal, s_q, h_q, h_kv):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_sms", [1, 7, 132])
-def test_gpu_cuda_ragged_lengths_and_sink(num_sms):
-    """Every length around the page edges, few and many SM parts (unsplit and split), with an attention sink."""
+@pytest.mark.parametrize("h_q", [32, 128])
+def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
+    """Every length around the page edges, few and many SM parts (unsplit and split), with an attention sink; one
+    row tile and four. With one SM part a CTA walks every piece (odd page counts, L = 0 rows between), so the
+    widening warpgroup's barriers change phase across pieces and buffers as the computing warpgroups' do."""
     cuda_fp8_or_skip()
     lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049]
-    batch = make(lengths, 2, 32, 1, FP8, (0.01, 37.0), True, seed=310 + num_sms, device="cuda")
-    sink = torch.randn(32, device="cuda") * 2
+    batch = make(lengths, 2, h_q, 1, FP8, (0.01, 37.0), True, seed=310 + num_sms + h_q, device="cuda")
+    sink = torch.randn(h_q, device="cuda") * 2
     out, lse = run(batch, num_sms=num_sms, backend="cuda", attn_sink=sink)
-    check(batch, out, lse, f"cuda ragged num_sms={num_sms}", attn_sink=sink,
+    check(batch, out, lse, f"cuda ragged num_sms={num_sms} h_q={h_q}", attn_sink=sink,
           ref=reference_for(batch.dequantized(), None, attn_sink=sink, on_device=True))
 
 

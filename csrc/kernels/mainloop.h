@@ -59,14 +59,24 @@
 // (widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a bf16 q is
 // rounded to fp16 once per piece (widen_q). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3 tensor
 // cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two real K
-// blocks only), one commit group per unit, and only the four V units are widened, each once the WGMMAs reading
-// it are complete (compute_s_e4m3): kPageB widens page b's four during S_b; kPageA widens page a's units 0 and 1
-// during S_a and units 2 and 3 (kPageB's half) only after issuing P_a V_a, off its path to the post of P_a
-// (kPageB waits on v_right_widened before its P_a V_a). Either way the other warpgroup reads a widened V half
-// after a barrier that orders the writes (each writer fences them into the async proxy first). The
-// widening also writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
-// page buffer is only ever written by the warpgroup that computes S on it. descale_q * descale_k scale the scores
-// and descale_k the output (SplitKvScales): each scale enters once.
+// blocks only), one commit group per unit, and only the four V units are widened, by a third warpgroup (kWiden,
+// widen_pages), so that the computing warpgroups' path holds no widening at all:
+//
+//   S warpgroup of the page (compute_s_e4m3)          kWiden (40 registers)
+//   ---------------------------------------------     ---------------------------------------------------------
+//   S: RoPE unit, unit 0, ..., unit 3 (a commit       for each page of the CTA's pieces, in the pairs' order:
+//   group each); as each V unit's WGMMAs complete,      for each V half: wait v_unit_read of its two units,
+//   arrive v_unit_read[stage][u]                           widen them in place (tail rows zeroed), fence into
+//   softmax, mailbox (as above)                            the async proxy, arrive v_half_widened[stage][half]
+//   wait v_half_widened before each P V on that half
+//
+// Widening in place overwrites bytes S reads, hence v_unit_read; a buffer is refilled only after both P V on it,
+// which follow v_half_widened, so neither barrier can be a phase ahead of its waiter. Against the S warpgroups
+// widening themselves (kPageB page b's four units during S_b, kPageA page a's during S_a and after P_a V_a's issue):
+// FP8 rows +13 % memory-bound, +12 % compute-bound (H200, docs/PERF.md); without any widening (timing only) +28 %.
+// The widening writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
+// page buffer is only ever written by TMA and by the one warpgroup that widens it. descale_q * descale_k scale the
+// scores and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
 // tokens gathered into the FP8 cache's unit layout by a third warpgroup (kGather) in the order the pairs take
@@ -230,7 +240,8 @@ struct SplitKvMainloop {
     char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
     const char* src_first = src + 8 * first;
     const int second_offset = 8 - 16 * first;
-    // Two passes are loaded at a time (their loads overlap); all four at once spilled 12 bytes in the e4m3 kernel.
+    // Two passes are loaded at a time (their loads overlap). Four at once spilled 12 bytes when the e4m3 kernel's S
+    // warpgroups widened, and measured the same as two in its widening warpgroup (given 56 registers).
     constexpr int kPassesAtOnce = 2;
     CUTE_UNROLL
     for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
@@ -378,15 +389,15 @@ struct SplitKvMainloop {
   // ============================================ WGMMA =======================================================
 
   // S = Q K^T over the page in buffer `stage`, K blocks in unit-refill order (RoPE first), each unit waited for
-  // (and, for an fp8 cache, widened by this warpgroup) just before its WGMMAs are issued; the widening of a unit
-  // overlaps the WGMMAs of the one before. Waited for before return.
+  // (and, for an fp8 cache with a 16-bit q, widened by this warpgroup) just before its WGMMAs are issued; the
+  // widening of a unit overlaps the WGMMAs of the one before. Waited for before return.
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup,
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
                                                    FragS& tSrS, int* exponent = nullptr) {
     using namespace cute;
     if constexpr (Traits::kE4m3Scores) {
-      compute_s_e4m3(smem, stage, phase, warpgroup, valid_rows, tSrQ, tSrK, tSrS);
+      compute_s_e4m3(smem, stage, phase, tSrQ, tSrK, tSrS);
     } else if constexpr (Traits::kSparse) {
       *exponent = compute_s_sparse(smem, stage, phase, warpgroup, tSrQ, tSrK, tSrS);
     } else {
@@ -492,16 +503,11 @@ struct SplitKvMainloop {
   // WGMMA accumulates with reduced precision (about 14 bits kept; DeepSeek-V3's report, and the Triton backend's
   // FP8_ACC_CHUNK measured lse errors of 2.6e-3 without float32 steps), so each V unit's 128 products go to a
   // partial accumulator U that is added to S in float32 once complete (DeepSeek's interval of 128) before the
-  // next unit's WGMMAs reuse U. Then the four V units are widened in place (rows past `valid_rows` zeroed;
-  // widening overwrites a unit's bytes, which S no longer reads). Widening a unit while the next one's WGMMAs
-  // run kept O, S, U and its loads live at once: 24-420 bytes of spills at 255 registers, or serialised WGMMAs.
-  // Waited for before return, the widened V fenced into the async proxy for both warpgroups' P V.
-  // Page a (buffer 0, kPageA) widens only V units 0 and 1 here, those of its own P V: units 2 and 3 wait until
-  // kPageA has issued P_a V_a (widen_right_half), off the path to the post of P_a.
+  // next unit's WGMMAs reuse U. Each V unit is handed to the widening warpgroup (v_unit_read) as soon as its
+  // WGMMAs are complete, so that it can widen the unit in place while S runs on. Waited for before return.
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
-                                                        int warpgroup, int valid_rows, const FragQ& tSrQ,
-                                                        const FragK& tSrK, FragS& tSrS) {
+                                                        const FragQ& tSrQ, const FragK& tSrK, FragS& tSrS) {
     using namespace cute;
     typename Traits::TiledMmaS8 mma;
     static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
@@ -529,33 +535,46 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
     };
-    Element* page = smem.k[stage].data();
     issue_unit(kRopeUnit, tSrS);
     issue_unit(0, tSrU);
     CUTE_UNROLL
     for (int v = 1; v < 4; ++v) {
       add_unit();                          // unit v - 1 (and the RoPE unit) complete; U is free
+      Barrier::arrive(&smem.v_unit_read[stage][v - 1]);
       issue_unit(v, tSrU);
     }
     add_unit();
-    const int widened_here = stage == 0 ? kVHalfUnits : 2 * kVHalfUnits;
-    CUTE_UNROLL
-    for (int v = 0; v < 2 * kVHalfUnits; ++v) {
-      if (v < widened_here) widen_unit(page, v, valid_rows);
-    }
-    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-    __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
-    warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
+    Barrier::arrive(&smem.v_unit_read[stage][3]);
   }
 
-  // kE4m3Scores, kPageA: page a's V units 2 and 3 (kPageB's half), widened while P_a V_a runs; kPageB waits for
-  // v_right_widened before its P_a V_a.
-  __device__ static void widen_right_half(SharedStorage& smem, int valid_rows) {
-    Element* page = smem.k[0].data();
-    widen_unit(page, 2, valid_rows);
-    widen_unit(page, 3, valid_rows);
-    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before kPageB's WGMMA (async proxy) reads
-    Barrier::arrive(&smem.v_right_widened);
+  // kE4m3Scores, the widening warpgroup (kWiden): walks the pages of the CTA's pieces in the computing warpgroups'
+  // order (page k of a piece in buffer k % 2) and widens each V unit in place as soon as S has read it, announcing
+  // each V half (v_half_widened) to the P V that reads it. Rows past a piece's end become zeros.
+  __device__ static void widen_pages(SharedStorage& smem, const Range& range) {
+    uint32_t phase_0 = 0, phase_1 = 0;    // pages taken by each buffer so far, mod 2 (scalars: no local memory)
+    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+      const Piece piece = range.piece(seq);
+      const int num_pages = piece.num_pages();
+#pragma unroll 1
+      for (int page = 0; page < num_pages; ++page) {
+        const int stage = page % 2;
+        const uint32_t phase = stage == 0 ? phase_0 : phase_1;
+        const int valid_rows = piece.end - (piece.begin + page * kBlockN);
+        Element* tile = smem.k[stage].data();
+#pragma unroll 1
+        for (int half = 0; half < 2; ++half) {
+#pragma unroll 1
+          for (int u = kVHalfUnits * half; u < kVHalfUnits * (half + 1); ++u) {
+            Barrier::wait(&smem.v_unit_read[stage][u], phase);
+            widen_unit(tile, u, valid_rows);
+          }
+          cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the P V WGMMAs read them
+          Barrier::arrive(&smem.v_half_widened[stage][half]);
+        }
+        if (stage == 0) phase_0 ^= 1;
+        else phase_1 ^= 1;
+      }
+    }
   }
 
   // O += P V over this warpgroup's 256 columns; issued, not waited for.
@@ -726,9 +745,9 @@ struct SplitKvMainloop {
         // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
+        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[0][0], phases.page[0]);
         issue_pv(tOrPa, tOrVa, tOrO);
         if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
-        if constexpr (Traits::kE4m3Scores) widen_right_half(smem, piece.end - key0);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox);
@@ -748,6 +767,7 @@ struct SplitKvMainloop {
           wait_pv(tOrO);
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
+          if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[1][0], phases.page[1]);
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
@@ -832,10 +852,11 @@ struct SplitKvMainloop {
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
-        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_right_widened, phases.mailbox);
+        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[0][1], phases.page[0]);
         issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
+          if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[1][1], phases.page[1]);
           issue_pv(tOrPb, tOrVb, tOrO);
           if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free

@@ -5,8 +5,9 @@
 //   softmax.h         masking and the online softmax
 //   epilogue.h        normalisation and the writes (out/lse, or fp32 partials for the combine kernel)
 //
-// Grid: (query-row tile, KV head, SM part); 256 threads = two computing warpgroups (sparse decoding: 384, a third
-// gathers and dequantises the pages, sparse_gather.h); one CTA per SM (227 KiB of shared memory: the Q tile, two K
+// Grid: (query-row tile, KV head, SM part); 256 threads = two computing warpgroups (384 with a third: sparse
+// decoding's gathers and dequantises the pages, sparse_gather.h; the FP8 cache with an e4m3 q's widens V,
+// mainloop.h); one CTA per SM (227 KiB of shared memory: the Q tile, two K
 // pages and the warpgroups' mailbox).
 #pragma once
 
@@ -45,7 +46,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     // cp.async: 128 arrivals; sparse (TMA): one arrival and the bytes.
     cutlass::arch::ClusterBarrier::init(&smem.q_full, Traits::kSparse ? 1 : Traits::kWarpgroupThreads);
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
-    cutlass::arch::ClusterBarrier::init(&smem.v_right_widened, Traits::kWarpgroupThreads);
+    if (Traits::kE4m3Scores) {
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        for (uint64_t& read : smem.v_unit_read[stage]) cutlass::arch::ClusterBarrier::init(&read, Traits::kWarpgroupThreads);
+        for (uint64_t& widened : smem.v_half_widened[stage]) {
+          cutlass::arch::ClusterBarrier::init(&widened, Traits::kWarpgroupThreads);
+        }
+      }
+    }
     if (Traits::kSparse) {
       for (int stage = 0; stage < Traits::kStages; ++stage) {
         for (uint64_t& raw : smem.raw_full[stage]) cutlass::arch::ClusterBarrier::init(&raw, Traits::kWarpgroupThreads);
@@ -86,16 +94,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
 
   if constexpr (Traits::kSparse) {
     if (gathers) {
-      cutlass::arch::warpgroup_reg_dealloc<Traits::kGatherRegisters>();
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kHelperRegisters>();
       SparseGather<Traits>::run(params, smem, range);
       return;
     }
   }
+  if constexpr (Traits::kE4m3Scores) {
+    if (warpgroup == static_cast<int>(WarpgroupRole::kWiden)) {
+      cutlass::arch::warpgroup_reg_dealloc<Traits::kHelperRegisters>();
+      Mainloop::widen_pages(smem, range);
+      return;
+    }
+  }
   if (warpgroup == static_cast<int>(WarpgroupRole::kPageA)) {
-    if constexpr (Traits::kSparse) cutlass::arch::warpgroup_reg_alloc<Traits::kPageARegisters>();
+    if constexpr (Traits::kHelperWarpgroups) cutlass::arch::warpgroup_reg_alloc<Traits::kPageARegisters>();
     Mainloop::template run<WarpgroupRole::kPageA>(params, scales, smem, range, kv_head, m_tile);
   } else {
-    if constexpr (Traits::kSparse) cutlass::arch::warpgroup_reg_alloc<Traits::kPageBRegisters>();
+    if constexpr (Traits::kHelperWarpgroups) cutlass::arch::warpgroup_reg_alloc<Traits::kPageBRegisters>();
     Mainloop::template run<WarpgroupRole::kPageB>(params, scales, smem, range, kv_head, m_tile);
   }
 }

@@ -18,9 +18,10 @@ FLASH_MLA_NAMESPACE_BEGIN
 //   kPageA computes S = Q K_a^T and its softmax, and owns O[:, 0:256];
 //   kPageB computes S = Q K_b^T and its softmax, and owns O[:, 256:512].
 // Each applies both pages' probabilities to its half of O (see mainloop.h for the schedule).
-// Sparse decoding adds a third warpgroup that gathers and dequantises the pages (sparse_gather.h), so that the
-// two above only compute.
-enum class WarpgroupRole : int { kPageA = 0, kPageB = 1, kGather = 2 };
+// Two kernels add a third warpgroup so that the two above only compute: sparse decoding's gathers and dequantises
+// the pages (kGather, sparse_gather.h); the FP8 cache with an e4m3 q's widens each V unit to fp16 once S has read
+// its bytes (kWiden, mainloop.h "FP8 cache").
+enum class WarpgroupRole : int { kPageA = 0, kPageB = 1, kGather = 2, kWiden = 2 };
 
 // The parts of a page buffer the computing warpgroups release to the gather warpgroup (sparse decoding), each once
 // its last reader is done with it: the RoPE unit after S, each V half after its last P V.
@@ -41,9 +42,10 @@ struct SparseFp8Token {
 // Element: the WGMMA operand type of Q, K, V and P (bf16 or fp16). CacheElement: the KV cache's element, the same
 // type, e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
 // warpgroup that computes S on them; see mainloop.h "FP8 cache"), or SparseFp8Token (gathered tokens, dequantised
-// to bf16 by that warpgroup; mainloop.h "Sparse FP8 cache").
+// to fp16; mainloop.h "Sparse FP8 cache").
 // kE4m3Scores (FP8 cache with an e4m3 q): S = Q K^T runs on the e4m3 tensor cores straight from the copied bytes
-// (Q and the page both K-major with the 128-byte swizzle), and only V is widened, after S (mainloop.h).
+// (Q and the page both K-major with the 128-byte swizzle), and only V is widened, after S, by the third warpgroup
+// (mainloop.h).
 template <class Element_, class CacheElement_ = Element_, bool kE4m3Scores_ = false>
 struct SplitKvTraits {
   using Element = Element_;
@@ -61,12 +63,13 @@ struct SplitKvTraits {
   static constexpr int kNumWarpgroups = 2;                                // the computing warpgroups
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kMathThreads = kNumWarpgroups * kWarpgroupThreads;
-  static constexpr int kGatherWarpgroups = kSparse ? 1 : 0;
-  static constexpr int kThreads = kMathThreads + kGatherWarpgroups * kWarpgroupThreads;
-  // Sparse: registers per thread after setmaxnreg (multiples of 8): the computing warpgroups hold O, S and P,
-  // the gather warpgroup copies and dequantises page b. The split may use no more than the CTA got at launch (168
-  // a thread at 384 threads): setmaxnreg.inc waits for registers the other warpgroups gave back, forever if they
-  // never can.
+  // The third warpgroup: sparse decoding's gather, or the e4m3-scores kernel's V widening.
+  static constexpr int kHelperWarpgroups = kSparse || kE4m3Scores ? 1 : 0;
+  static constexpr int kThreads = kMathThreads + kHelperWarpgroups * kWarpgroupThreads;
+  // With a third warpgroup, registers per thread after setmaxnreg (multiples of 8): the computing warpgroups hold O,
+  // S and P, the third copies and dequantises page b (sparse) or widens V. The split may use no more than the CTA
+  // got at launch (168 a thread at 384 threads): setmaxnreg.inc waits for registers the other warpgroups gave back,
+  // forever if they never can.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
   // Sparse: page a's latent units are dequantised by kPageA itself, page b's by the gather warpgroup (measured
   // against page b by kPageB, and each S warpgroup its left V halves: docs/PERF.md). The warpgroup that dequantises
@@ -75,10 +78,12 @@ struct SplitKvTraits {
   // against 64 / 200 measured the b = 128 rows 1.5-3 % faster (H200, docs/PERF.md), the small rows the same.
   static constexpr int kSelfDequantisedStage = 0;
   static constexpr bool self_dequantises(int stage) { return stage == kSelfDequantisedStage; }
-  static constexpr int kPageARegisters = 240;
-  static constexpr int kPageBRegisters = 192;
-  static constexpr int kGatherRegisters = 72;
-  static_assert(!kSparse || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kGatherRegisters) <=
+  // e4m3 scores: both S warpgroups 232 (no spills down to 224), the widening warpgroup 40 (it spilled at 32; 224 /
+  // 224 / 56 with four passes of loads in flight measured the same, H200).
+  static constexpr int kPageARegisters = kSparse ? 240 : 232;
+  static constexpr int kPageBRegisters = kSparse ? 192 : 232;
+  static constexpr int kHelperRegisters = kSparse ? 72 : 40;
+  static_assert(!kHelperWarpgroups || kWarpgroupThreads * (kPageARegisters + kPageBRegisters + kHelperRegisters) <=
                                 kThreads * kLaunchRegisters,
                 "the register split fits what the CTA holds");
   static constexpr int kColsPerWarpgroup = kHeadDimV / kNumWarpgroups;    // 256: N of O = P V (WGMMA max)
@@ -190,9 +195,10 @@ struct SplitKvTraits {
     alignas(8) uint64_t q_full;
     // Mailbox hand-offs, indexed by MailboxEvent: a warpgroup's 128 threads arrive once they wrote their slots.
     alignas(8) uint64_t probs_posted[2];
-    // kE4m3Scores: page a's V[:, 256:512] widened (kPageA widens it after issuing P_a V_a; kPageB waits before
-    // its own P_a V_a). Once per pair, as the mailbox.
-    alignas(8) uint64_t v_right_widened;
+    // kE4m3Scores: V unit u of buffer [stage] read by S for the last time (the S warpgroup's 128 threads arrive
+    // once its WGMMAs are complete), and each V half of it widened to fp16 (the widening warpgroup's 128 threads).
+    alignas(8) uint64_t v_unit_read[kStages][4];
+    alignas(8) uint64_t v_half_widened[kStages][2];
     // Sparse cache: the raw bytes of each V half of each buffer landed (the gather warpgroup's cp.async), and
     // each part of each buffer released by its last reader (GatherPart).
     alignas(8) uint64_t raw_full[kStages][2];
