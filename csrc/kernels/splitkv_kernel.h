@@ -48,7 +48,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     for (uint64_t& posted : smem.probs_posted) cutlass::arch::ClusterBarrier::init(&posted, Traits::kWarpgroupThreads);
     if (Traits::kE4m3Scores) {
       for (int stage = 0; stage < Traits::kStages; ++stage) {
-        for (uint64_t& read : smem.v_unit_read[stage]) cutlass::arch::ClusterBarrier::init(&read, Traits::kWarpgroupThreads);
+        for (uint64_t& read : smem.v_unit_read[stage]) {
+          cutlass::arch::ClusterBarrier::init(&read, Traits::kWarpgroupThreads);
+        }
         for (uint64_t& widened : smem.v_half_widened[stage]) {
           cutlass::arch::ClusterBarrier::init(&widened, Traits::kWarpgroupThreads);
         }

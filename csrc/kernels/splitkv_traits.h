@@ -41,8 +41,8 @@ struct SparseFp8Token {
 
 // Element: the WGMMA operand type of Q, K, V and P (bf16 or fp16). CacheElement: the KV cache's element, the same
 // type, e4m3 (an FP8 cache: its pages are copied as bytes and widened to fp16 in shared memory, exactly, by the
-// warpgroup that computes S on them; see mainloop.h "FP8 cache"), or SparseFp8Token (gathered tokens, dequantised
-// to fp16; mainloop.h "Sparse FP8 cache").
+// warpgroup that computes S on them, or with kE4m3Scores only V by a third warpgroup; see mainloop.h "FP8 cache"),
+// or SparseFp8Token (gathered tokens, dequantised to fp16; mainloop.h "Sparse FP8 cache").
 // kE4m3Scores (FP8 cache with an e4m3 q): S = Q K^T runs on the e4m3 tensor cores straight from the copied bytes
 // (Q and the page both K-major with the 128-byte swizzle), and only V is widened, after S, by the third warpgroup
 // (mainloop.h).
