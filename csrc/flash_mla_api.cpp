@@ -114,6 +114,10 @@ void check_plan_scale_sink(const c10::Device& dev, int batch, int num_heads_q, c
 // head), the plan, the score scale, q, the outputs (out in out_dtype, lse), the workspace of split pieces (one slot
 // per piece: at most batch + num_sm_parts, SPEC.md "Scheduler") and the attention sink. The tensors live here until
 // the launches are queued; the caching allocator orders their reuse after them on this stream.
+// The timeline buffer of kernels built with -DFLASH_MLA_PROBE (kernels/probe.h), set by set_probe for the calls
+// that follow (benchmarks/probe_timeline.py); product builds never write it.
+unsigned long long* g_probe = nullptr;
+
 struct DecodeSetup {
   DecodeParams params{};
   at::Tensor out, lse, o_partial, lse_partial, num_splits, sink;
@@ -144,6 +148,7 @@ struct DecodeSetup {
     p.out = out.data_ptr(); p.lse = lse.data_ptr<float>();
     p.attn_sink = sink.defined() ? sink.data_ptr<float>() : nullptr;
     p.o_partial = o_partial.data_ptr<float>(); p.lse_partial = lse_partial.data_ptr<float>();
+    p.probe = g_probe;
   }
 };
 
@@ -320,6 +325,9 @@ FLASH_MLA_NAMESPACE_END  // flash_mla
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "flash_mla Hopper kernels (sm_90a)";
   m.attr("variant") = FLASH_MLA_VARIANT_NAME;    // kernels/variant.h: this build's inner namespace
+  m.def("set_probe", [](const std::optional<at::Tensor>& buffer) {
+    flash_mla::g_probe = buffer.has_value() ? reinterpret_cast<unsigned long long*>(buffer->data_ptr()) : nullptr;
+  }, "Diagnostic: the int64 timeline buffer of -DFLASH_MLA_PROBE kernels (None: off)", pybind11::arg("buffer"));
   m.def("get_mla_metadata", &flash_mla::get_mla_metadata, "Tile scheduler on the device",
         pybind11::arg("cache_seqlens"), pybind11::arg("num_heads_per_head_k"), pybind11::arg("num_heads_k"),
         pybind11::arg("num_sms"), pybind11::arg("min_payload") = 0, pybind11::arg("tight_payload") = false);

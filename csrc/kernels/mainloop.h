@@ -100,6 +100,7 @@
 #include "epilogue.h"
 #include "named_barriers.h"
 #include "params.h"
+#include "probe.h"
 #include "softmax.h"
 #include "sparse_gather.h"
 #include "splitkv_traits.h"
@@ -114,6 +115,7 @@ struct PipelinePhases {
   uint32_t page[2] = {0, 0};    // unit_full[stage][*]: flips each time a page of that buffer is consumed
   uint32_t q = 0;               // q_full: flips each time a piece with pages is done
   uint32_t mailbox = 0;         // probs_posted[*]: flips each pair (both warpgroups post once per pair)
+  int pieces = 0;               // pieces with pages so far (probe.h builds only)
 };
 
 template <class Traits>
@@ -694,6 +696,10 @@ struct SplitKvMainloop {
     const int num_pages = piece.num_pages();
     const float scale_log2 = scales.score_log2;
     Barrier::wait(&smem.q_full, phases.q);
+    probe_time(p, probe_piece_slot(phases.pieces, kProbeQLanded));
+    probe_put(p, probe_piece_slot(phases.pieces, kProbePages), num_pages);
+    probe_put(p, probe_piece_slot(phases.pieces, kProbeSeq), piece.seq);
+    probe_put(p, probe_piece_slot(phases.pieces, kProbeSplit), piece.split);
     widen_q(p, smem, kWarpgroup);
 
     const PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
@@ -710,6 +716,7 @@ struct SplitKvMainloop {
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         int exponent_a = 0;
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS, &exponent_a);
+        if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
         if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
@@ -793,6 +800,7 @@ struct SplitKvMainloop {
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS,
                     &exponent_b);
+          if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
           if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
@@ -877,7 +885,10 @@ struct SplitKvMainloop {
     if constexpr (Traits::kSparse) {    // O's true value (a piece with no page has O = 0 and no frame)
       if (frame != kNoFrame) scale_all(O, pow2(frame));
     }
+    probe_time(p, probe_piece_slot(phases.pieces, kProbeMainloopEnd));
     Epilogue::write(p, scales, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
+    probe_time(p, probe_piece_slot(phases.pieces, kProbeEpilogueEnd));
+    ++phases.pieces;
   }
 
   // ============================================ CTA ==========================================================
@@ -917,6 +928,7 @@ struct SplitKvMainloop {
       }
       attend_piece<kRole>(p, scales, smem, range, piece, kv_head, m_tile, phases);
     }
+    probe_put(p, kProbePieceCount, phases.pieces);
   }
 };
 

@@ -90,6 +90,8 @@ struct DecodeParams {
   // Workspace for split sequences, one slot per piece (slot = num_splits[seq] + split_idx).
   float* o_partial;              // (num_slots, num_heads_k, rows_per_kv, 512)
   float* lse_partial;            // (num_slots, num_heads_k, rows_per_kv)
+  // Diagnostic builds (-DFLASH_MLA_PROBE, kernels/probe.h): the timeline buffer, or nullptr; unused otherwise.
+  unsigned long long* probe;
 
   // Sparse FP8 decoding (launch_mla_splitkv_sparse; nullptr indices otherwise): k_cache holds num_tokens 656-byte
   // tokens back to back, token t at byte 656 t. seqlens is topk_length, or nullptr for topk slots in every row.

@@ -21,6 +21,7 @@
 #include "launch.h"
 #include "mainloop.h"
 #include "params.h"
+#include "probe.h"
 #include "sparse_gather.h"
 #include "splitkv_traits.h"
 #include "tile_scheduler.h"
@@ -34,6 +35,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   using SharedStorage = typename Traits::SharedStorage;
   extern __shared__ __align__(1024) char smem_raw[];
   SharedStorage& smem = *reinterpret_cast<SharedStorage*>(smem_raw);
+  probe_time(params, kProbeEntry);
+  probe_sm(params);
 
   if (threadIdx.x == 0) {
     // TMA: one arrival and the bytes; sparse: one arrival per thread of the gather warpgroup.
@@ -93,6 +96,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   const PieceRange<Traits::kSparse> range(params, blockIdx.z, m_tile, copy_row);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
   __syncthreads();
+  probe_time(params, kProbeRoleStart);
 
   if constexpr (Traits::kSparse) {
     if (gathers) {
@@ -105,6 +109,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     if (warpgroup == static_cast<int>(WarpgroupRole::kWiden)) {
       cutlass::arch::warpgroup_reg_dealloc<Traits::kHelperRegisters>();
       Mainloop::widen_pages(smem, range);
+      probe_time(params, kProbeExit);
       return;
     }
   }
@@ -115,6 +120,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     if constexpr (Traits::kHelperWarpgroups) cutlass::arch::warpgroup_reg_alloc<Traits::kPageBRegisters>();
     Mainloop::template run<WarpgroupRole::kPageB>(params, scales, smem, range, kv_head, m_tile);
   }
+  probe_time(params, kProbeExit);
 }
 
 template <class Element, class CacheElement = Element, bool kE4m3Scores = false>

@@ -1,0 +1,108 @@
+"""Where a split-kernel call's time goes per CTA: the %globaltimer timeline of csrc/kernels/probe.h, read back from
+the last call of the referee's graph (calls back to back over fresh cache copies), summarised per event.
+
+The kernels write it only when built with the probe (a diagnostic build; the product build has no probe code):
+
+    NVCC_APPEND_FLAGS=-DFLASH_MLA_PROBE python3 setup.py build_ext --inplace
+    python3 benchmarks/probe_timeline.py --anchors .anchors --mean 4096 --h-q 128 --s-q 1 [--fp8] [--raw F.npy]
+
+Printed per row (us; medians, p10, p90, max over CTAs or pieces): q_landed_after_entry (the first Q tile waited for,
+from the CTA's entry), first_s_after_q (S of a piece's first page complete, from its Q), pace_us_per_page (a piece's
+pairs, first S to the last pair's end, per page), epilogue (normalisation and stores, kPageA / kPageB; split pieces
+write fp32 partials, the others out), gap_prev_epi_to_q (a piece's Q waited for, from the previous epilogue's end),
+overhead (a CTA's time outside its pieces' page loops: start, epilogues, boundaries, end) and the exit times' spread.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+SLOTS = 64                                   # kProbeSlots (probe.h)
+ENTRY, SM, ROLE_START, EXIT, PIECE_COUNT, FIRST_PIECE, PER_PIECE, MAX_PIECES = 0, 1, 2, 3, 4, 8, 8, 7
+Q_LANDED, FIRST_S, MAINLOOP_END, EPILOGUE_END, PAGES, SEQ, SPLIT = range(7)
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * (len(xs) - 1) + 0.5))] if xs else float("nan")
+
+
+def summarise(stamps):
+    """stamps: (ctas, 3 warpgroups, SLOTS) integers as the kernel wrote them. CTAs without an exit stamp of kPageA
+    (SM parts with no work) are left out. Returns (figures by name: lists of us, exits in us from the first entry,
+    the CTAs kept)."""
+    kept = [s for s in stamps if s[0][ENTRY] > 0 and s[0][EXIT] > 0]
+    if not kept:
+        return {}, [], []
+    t0 = min(int(s[w][ENTRY]) for s in kept for w in range(3) if s[w][ENTRY] > 0)
+
+    def us(t):
+        return (int(t) - t0) / 1000.0
+
+    figures = {name: [] for name in ("q_landed_after_entry", "first_s_after_q", "first_s_after_q_b",
+                                     "pace_us_per_page", "epilogue_a", "epilogue_b", "epilogue_a_out",
+                                     "epilogue_a_partials", "gap_prev_epi_to_q", "overhead")}
+    exits = []
+    for s in kept:
+        a, b = s[0], s[1]
+        end = max(us(s[w][EXIT]) for w in range(3) if s[w][EXIT] > 0)
+        exits.append(end)
+        in_loops = 0.0
+        for k in range(min(int(a[PIECE_COUNT]), MAX_PIECES)):
+            base = FIRST_PIECE + PER_PIECE * k
+            landed, first_s, loop_end = us(a[base + Q_LANDED]), us(a[base + FIRST_S]), us(a[base + MAINLOOP_END])
+            epilogue = us(a[base + EPILOGUE_END]) - loop_end
+            pages = int(a[base + PAGES])
+            if k == 0:
+                figures["q_landed_after_entry"].append(landed - us(a[ENTRY]))
+            else:
+                figures["gap_prev_epi_to_q"].append(landed - us(a[base - PER_PIECE + EPILOGUE_END]))
+            figures["first_s_after_q"].append(first_s - landed)
+            figures["first_s_after_q_b"].append(us(b[base + FIRST_S]) - us(b[base + Q_LANDED]))
+            if pages > 1:
+                figures["pace_us_per_page"].append((loop_end - first_s) / (pages - 1))
+            figures["epilogue_a"].append(epilogue)
+            figures["epilogue_a_partials" if a[base + SPLIT] else "epilogue_a_out"].append(epilogue)
+            figures["epilogue_b"].append(us(b[base + EPILOGUE_END]) - us(b[base + MAINLOOP_END]))
+            in_loops += loop_end - landed
+        figures["overhead"].append(end - us(a[ENTRY]) - in_loops)
+    return figures, exits, kept
+
+
+def main():
+    from row_workload import add_row_arguments, capture_graph, row_label, row_workload
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_row_arguments(ap)
+    ap.add_argument("--raw", default=None, help="save the stamps (numpy, (ctas, 3, 64)) here")
+    args = ap.parse_args()
+    args.impls = "flash_mla"
+    import numpy as np
+    import torch
+    import flash_mla._cuda as ext
+    q, ks, bt, seqlens, causal, impls = row_workload(args)
+    buf = torch.zeros(16384 * 3 * SLOTS, dtype=torch.int64, device="cuda")
+    ext.set_probe(buf)
+    graph, _calls, outs = capture_graph(impls["flash_mla"], q, ks, bt, seqlens, causal)
+    buf.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    ext.set_probe(None)
+    stamps = buf.view(-1, 3, SLOTS).cpu().numpy()
+    if args.raw:
+        np.save(args.raw, stamps[stamps[:, 0, ENTRY] > 0])
+    figures, exits, kept = summarise(stamps)
+    if not kept:
+        raise SystemExit("no stamps: build the kernels with NVCC_APPEND_FLAGS=-DFLASH_MLA_PROBE")
+    print(f"# {torch.cuda.get_device_name()}: {row_label(args)}; {len(kept)} CTAs with work; us")
+    print(f"exit (from the first entry): min {min(exits):.1f} median {pct(exits, .5):.1f} p90 {pct(exits, .9):.1f} "
+          f"max {max(exits):.1f}")
+    for name, xs in figures.items():
+        if xs:
+            print(f"{name}: median {pct(xs, .5):.2f} p10 {pct(xs, .1):.2f} p90 {pct(xs, .9):.2f} max {max(xs):.2f} "
+                  f"n {len(xs)}")
+    del outs, graph
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""CPU checks of benchmarks/probe_timeline.py's accounting of the kernel's timeline stamps (csrc/kernels/probe.h)."""
+import importlib.util
+import os
+import re
+
+import numpy as np
+import pytest
+
+_ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+_spec = importlib.util.spec_from_file_location("probe_timeline",
+                                               os.path.join(_ROOT, "benchmarks", "probe_timeline.py"))
+probe_timeline = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(probe_timeline)
+P = probe_timeline
+
+
+def _cta(entry, pieces, exit_):
+    """One CTA's stamps (ns): pieces = [(q_landed, first_s, loop_end, epilogue_end, pages, split)], the same for
+    both computing warpgroups."""
+    s = np.zeros((3, P.SLOTS), dtype=np.int64)
+    for w in (0, 1):
+        s[w, P.ENTRY], s[w, P.EXIT], s[w, P.PIECE_COUNT] = entry, exit_, len(pieces)
+        for k, (landed, first_s, loop_end, epi_end, pages, split) in enumerate(pieces):
+            base = P.FIRST_PIECE + P.PER_PIECE * k
+            s[w, base + P.Q_LANDED], s[w, base + P.FIRST_S] = landed, first_s
+            s[w, base + P.MAINLOOP_END], s[w, base + P.EPILOGUE_END] = loop_end, epi_end
+            s[w, base + P.PAGES], s[w, base + P.SPLIT] = pages, split
+    return s
+
+
+def test_piece_figures_and_overhead():
+    # entry at 1000 ns; piece 0: Q at 6 us, first S 8 us, 11 pages to 28 us, epilogue to 31 us (out);
+    # piece 1: Q at 32 us, first S 34 us, 5 pages to 42 us, epilogue to 44 us (partials); exit 44.5 us
+    cta = _cta(1000, [(6000 + 1000, 8000 + 1000, 28000 + 1000, 31000 + 1000, 11, 0),
+                      (32000 + 1000, 34000 + 1000, 42000 + 1000, 44000 + 1000, 5, 1)], 44500 + 1000)
+    idle = np.zeros((3, P.SLOTS), dtype=np.int64)
+    idle[0, P.ENTRY] = 500        # an SM part with no work: entry, no exit
+    figures, exits, kept = P.summarise(np.stack([cta, idle]))
+    assert len(kept) == 1 and exits == [pytest.approx(44.5)]
+    assert figures["q_landed_after_entry"] == [pytest.approx(6.0)]
+    assert figures["first_s_after_q"] == [pytest.approx(2.0), pytest.approx(2.0)]
+    assert figures["pace_us_per_page"] == [pytest.approx(20.0 / 10), pytest.approx(8.0 / 4)]
+    assert figures["epilogue_a_out"] == [pytest.approx(3.0)] and figures["epilogue_a_partials"] == [pytest.approx(2.0)]
+    assert figures["gap_prev_epi_to_q"] == [pytest.approx(1.0)]
+    # outside the page loops: 44.5 us - (22 + 10) us
+    assert figures["overhead"] == [pytest.approx(12.5)]
+
+
+def test_no_stamps_keeps_nothing():
+    figures, exits, kept = P.summarise(np.zeros((4, 3, P.SLOTS), dtype=np.int64))
+    assert figures == {} and exits == [] and kept == []
+
+
+def test_slot_numbers_match_the_kernel_header():
+    with open(os.path.join(_ROOT, "csrc", "kernels", "probe.h")) as f:
+        header = f.read()
+    values = {name: int(v) for name, v in re.findall(r"(kProbe\w+) = (\d+)", header)}
+    assert values["kProbeEntry"] == P.ENTRY and values["kProbeSm"] == P.SM and values["kProbeExit"] == P.EXIT
+    assert values["kProbeRoleStart"] == P.ROLE_START and values["kProbePieceCount"] == P.PIECE_COUNT
+    assert values["kProbeFirstPiece"] == P.FIRST_PIECE
+    assert (values["kProbeQLanded"], values["kProbeFirstS"], values["kProbeMainloopEnd"], values["kProbeEpilogueEnd"],
+            values["kProbePages"], values["kProbeSeq"], values["kProbeSplit"]) == (
+        P.Q_LANDED, P.FIRST_S, P.MAINLOOP_END, P.EPILOGUE_END, P.PAGES, P.SEQ, P.SPLIT)
+    per_piece = re.search(r"kProbeSlotsPerPiece = (\d+)", header)
+    assert int(per_piece.group(1)) == P.PER_PIECE
