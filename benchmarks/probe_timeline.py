@@ -81,7 +81,12 @@ def main():
     import torch
     import flash_mla._cuda as ext
     q, ks, bt, seqlens, causal, impls = row_workload(args)
-    buf = torch.zeros(16384 * 3 * SLOTS, dtype=torch.int64, device="cuda")
+    # The kernel writes without a bound: size the buffer for its grid, (row tiles, KV heads, SM parts), at most
+    # max(SMs, row tiles x KV heads) CTAs since the plan's SM parts are SMs // (row tiles x KV heads) or 1.
+    h_kv = ks[0].shape[2]
+    tiles = -(-(q.shape[1] * q.shape[2] // h_kv) // 64)
+    ctas = max(torch.cuda.get_device_properties(0).multi_processor_count, tiles * h_kv)
+    buf = torch.zeros(ctas * 3 * SLOTS, dtype=torch.int64, device="cuda")
     ext.set_probe(buf)
     graph, _calls, outs = capture_graph(impls["flash_mla"], q, ks, bt, seqlens, causal)
     buf.zero_()

@@ -110,14 +110,14 @@ void check_plan_scale_sink(const c10::Device& dev, int batch, int num_heads_q, c
   }
 }
 
-// What dense and sparse decoding set up alike: the shapes of the packed query rows (seqlen_q * heads_per_kv per KV
-// head), the plan, the score scale, q, the outputs (out in out_dtype, lse), the workspace of split pieces (one slot
-// per piece: at most batch + num_sm_parts, SPEC.md "Scheduler") and the attention sink. The tensors live here until
-// the launches are queued; the caching allocator orders their reuse after them on this stream.
 // The timeline buffer of kernels built with -DFLASH_MLA_PROBE (kernels/probe.h), set by set_probe for the calls
 // that follow (benchmarks/probe_timeline.py); product builds never write it.
 unsigned long long* g_probe = nullptr;
 
+// What dense and sparse decoding set up alike: the shapes of the packed query rows (seqlen_q * heads_per_kv per KV
+// head), the plan, the score scale, q, the outputs (out in out_dtype, lse), the workspace of split pieces (one slot
+// per piece: at most batch + num_sm_parts, SPEC.md "Scheduler") and the attention sink. The tensors live here until
+// the launches are queued; the caching allocator orders their reuse after them on this stream.
 struct DecodeSetup {
   DecodeParams params{};
   at::Tensor out, lse, o_partial, lse_partial, num_splits, sink;
