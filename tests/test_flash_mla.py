@@ -415,6 +415,25 @@ def test_pieces_of_few_pages(pages, last_pages, h_q):
     assert_close(metrics, torch.bfloat16, f"pieces of {sizes} pages, h_q={h_q}")
 
 
+# Whole sequences of 1 to 6 pages, the last page partial or full and in either page buffer, and an empty one.
+STAGED_LENGTHS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 257, 0, 320]
+
+
+@needs_hopper
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 128), (2, 40)])
+def test_out_staged_in_page_buffers(s_q, h_q, dtype):
+    """Unsplit pieces on grids of two or more row tiles (one KV head) go to out through the V half of their last
+    page's buffer and TMA stores, which that half's refill for the next piece waits for (epilogue.h): two SM parts
+    each walking 18 whole sequences, so every staged half is refilled for the next one; h_q 40, s_q 2 has a partial
+    second tile (80 rows), whose padding rows lie outside out."""
+    seqlens = STAGED_LENGTHS * 3
+    tiles = -(-s_q * h_q // 64)
+    _, (_, ns), _, _, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, num_sms=2 * tiles, seed=s_q * h_q)
+    assert torch.equal(ns[1:] - ns[:-1], torch.ones(len(seqlens), dtype=ns.dtype, device=ns.device)), "all unsplit"
+    assert_close(metrics, dtype, f"staged out s_q={s_q} h_q={h_q}")
+
+
 def _has_attn_sink():
     return "attn_sink" in inspect.signature(flash_mla.flash_mla_with_kvcache).parameters
 

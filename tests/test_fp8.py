@@ -765,6 +765,22 @@ def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("q_dtype,descales", [(FP8, (0.01, 37.0)), (BF16, (None, 0.01)), (FP16, (None, 37.0))],
+                         ids=["fp8-q", "bf16-q", "fp16-q"])
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 40)])
+def test_gpu_cuda_out_staged_in_page_buffers(q_dtype, descales, s_q, h_q):
+    """Two SM parts each walking whole sequences of 1 to 6 pages: the bf16 out of an e4m3 or bf16 q goes through
+    the V half of each piece's last page buffer and TMA stores before that half is refilled (epilogue.h), an fp16
+    out by registers; h_q 40, s_q 2 has a partial second row tile."""
+    cuda_fp8_or_skip()
+    lengths = [1, 63, 64, 65, 127, 128, 129, 191, 192, 257, 0, 320] * 2
+    batch = make(lengths, s_q, h_q, 1, q_dtype, descales, False, seed=320 + s_q + h_q, device="cuda")
+    out, lse = run(batch, num_sms=2 * -(-s_q * h_q // 64), backend="cuda")
+    check(batch, out, lse, f"cuda staged {q_dtype} s_q={s_q} h_q={h_q}", ref=gpu_reference(batch))
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_gpu_cuda_rejects_bad_input_before_the_kernel():
     """The binding's own checks (direct callers of the extension) mirror the Python validation."""
     cuda_fp8_or_skip()

@@ -1,5 +1,5 @@
-// Host side of the split kernel's TMA copies: the tensor map (CUtensorMap) of the paged KV cache, and the sparse
-// kernel's map of q (encode_q_tma, at the end).
+// Host side of the split kernel's TMA copies: the tensor map (CUtensorMap) of the paged KV cache, the sparse
+// kernel's map of q (encode_q_tma) and the map its epilogue stores out through (encode_out_tma, at the end).
 //
 // The cache (num_blocks, 64, num_heads_k, 576) is described as a 4-D tensor, innermost first:
 //   (576 columns, 64 tokens, num_heads_k, num_blocks)     strides in bytes: (element size, token, head, block)
@@ -96,6 +96,37 @@ inline void encode_q_tma(DecodeParams& params) {
   if (res != CUDA_SUCCESS) {
     throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for q (CUresult " + std::to_string(int(res)) +
                              "); strides must be nonzero multiples of 16 bytes");
+  }
+}
+
+// Fills params.out_tma and sets params.out_by_tma where it applies: out (batch, seqlen_q, num_heads_q, 512) of
+// 16-bit elements, contiguous (the binding allocates it), with one KV head, is the 3-D tensor
+//   (512 columns, rows_per_kv packed rows, batch)     strides in bytes: (2, 1024, 1024 rows_per_kv)
+// (packed row = token * num_heads_q + head), stored in boxes of 64 columns x 64 rows with the 128-byte swizzle:
+// one segment of SmemLayoutK, so a warpgroup's half of a row tile is four stores; rows past rows_per_kv lie
+// outside the tensor and are not written. With several KV heads a tile's rows are not consecutive in out: the
+// epilogue then stores from registers (out_by_tma false). So it does with one row tile per KV head (h_q * s_q <=
+// 64), where the kernel streams pages and the refill of the V half that holds the staged O must not wait for the
+// epilogue (H200, docs/PERF.md "Split kernel"), and for an fp16 out of the FP8-cache kernels (`fp8_cache`: they
+// stage bf16 only, the out of an e4m3 or bf16 q).
+inline void encode_out_tma(DecodeParams& params, bool fp8_cache) {
+  static_assert(sizeof(CUtensorMap) == sizeof(params.out_tma), "DecodeParams.out_tma holds a CUtensorMap");
+  std::memset(params.out_tma, 0, sizeof(params.out_tma));
+  params.out_by_tma = params.num_heads_k == 1 && params.batch > 0 && params.num_row_tiles > 1 &&
+                      (!fp8_cache || params.out_bf16);
+  if (!params.out_by_tma) return;
+  constexpr cuuint64_t kElementBytes = 2, kRowBytes = kHeadDimV * kElementBytes;
+  const cuuint64_t dims[3] = {cuuint64_t(kHeadDimV), cuuint64_t(params.rows_per_kv), cuuint64_t(params.batch)};
+  const cuuint64_t strides[2] = {kRowBytes, kRowBytes * cuuint64_t(params.rows_per_kv)};
+  const cuuint32_t box[3] = {128 / kElementBytes, cuuint32_t(kRowsPerTile), 1};    // 128-byte rows
+  const cuuint32_t elem_strides[3] = {1, 1, 1};
+  const CUresult res = tensor_map_encoder()(
+      reinterpret_cast<CUtensorMap*>(params.out_tma), CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, params.out, dims, strides,
+      box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (res != CUDA_SUCCESS) {
+    throw std::runtime_error("flash_mla: cuTensorMapEncodeTiled failed for out (CUresult " + std::to_string(int(res)) +
+                             ")");
   }
 }
 

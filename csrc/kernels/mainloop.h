@@ -318,7 +318,7 @@ struct SplitKvMainloop {
       for (int seg = 0; seg < kVHalf; ++seg) tail[seg * (kSegmentBytes / 16) + i] = make_uint4(0, 0, 0, 0);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-    warpgroup_sync(WarpgroupBarrier::kTailRowsZeroed, warpgroup);
+    warpgroup_sync(WarpgroupBarrier::kVSegmentsWritten, warpgroup);
   }
 
   // Q tile of `seq`: rows [64 * m_tile, + 64) of the KV head's packed rows; rows past rows_per_kv are zero.
@@ -702,7 +702,14 @@ struct SplitKvMainloop {
     probe_put(p, probe_piece_slot(phases.pieces, kProbeSplit), piece.split);
     widen_q(p, smem, kWarpgroup);
 
-    const PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
+    // An unsplit piece's out goes through this warpgroup's V half of the buffer of the piece's last page, which it
+    // read last (epilogue.h): the refills of that buffer by this warpgroup for the next piece (that half, and the
+    // RoPE unit if it is this warpgroup's) wait for the epilogue, so the pair loop is told that no page comes.
+    const bool out_by_tma = !Traits::kSparse && p.out_by_tma && !piece.split;
+    const int last_stage = (num_pages - 1) % 2;
+    const PageBlock after_piece[2] = {
+        out_by_tma && last_stage == 0 ? kNoBlock : range.first_block_after(piece, 0),
+        out_by_tma && last_stage == 1 ? kNoBlock : range.first_block_after(piece, 1)};
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
@@ -886,7 +893,15 @@ struct SplitKvMainloop {
       if (frame != kNoFrame) scale_all(O, pow2(frame));
     }
     probe_time(p, probe_piece_slot(phases.pieces, kProbeMainloopEnd));
-    Epilogue::write(p, scales, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO);
+    // The buffer's next page, which the pair loop did not refill (out_by_tma): its RoPE unit (if this warpgroup's)
+    // at once, this warpgroup's V half unit by unit as the TMA store frees it.
+    const PageBlock next = out_by_tma ? range.first_block_after(piece, last_stage) : kNoBlock;
+    if (last_stage == kWarpgroup) refill(p, smem, last_stage, next, kv_head, kRopeUnit, 1);
+    Epilogue::write(p, scales, piece, kv_head, m_tile, kWarpgroup, stats, O, tOcO,
+                    out_by_tma ? smem.k[last_stage].data() : nullptr, [&](int unit) {
+                      // (by the storing thread alone: with one unit, refill has warp 0 issue it)
+                      refill(p, smem, last_stage, next, kv_head, kWarpgroup * kVHalfUnits + unit, 1);
+                    });
     probe_time(p, probe_piece_slot(phases.pieces, kProbeEpilogueEnd));
     ++phases.pieces;
   }

@@ -11,7 +11,10 @@ FLASH_MLA_NAMESPACE_BEGIN
 // Barriers inside one warpgroup (128 threads): value + the warpgroup's index is the id given to cutlass's
 // NamedBarrier, which adds its reserved count (8), so the hardware barriers are 10, 11 / 12 / 14, 15.
 enum class WarpgroupBarrier : uint32_t {
-  kTailRowsZeroed = 2,    // the warpgroup zeroed the V rows past a piece's end in its segments (2, 3)
+  // the warpgroup's generic-proxy writes into its V segments of a page buffer are done (2, 3): the V rows past a
+  // piece's end zeroed before its P V, or its half of O staged for the TMA store of out (epilogue.h), or that
+  // store's reads of them complete (the half may be refilled)
+  kVSegmentsWritten = 2,
   kRawRowsRead = 4,       // sparse: the gather warpgroup read the raw rows it overwrites next (one: 4)
   kUnitWidened = 6,       // FP8 cache and sparse: the warpgroup widened or dequantised a page unit for its S (6, 7)
 };
@@ -28,8 +31,8 @@ constexpr uint32_t hardware_barrier(WarpgroupBarrier barrier, int warpgroup) {
   return cutlass::arch::NamedBarrier::ReservedNamedBarrierCount + static_cast<uint32_t>(barrier) + warpgroup;
 }
 static_assert(static_cast<uint32_t>(CtaBarrier::kQWidened) <
-                  hardware_barrier(WarpgroupBarrier::kTailRowsZeroed, 0), "one event per barrier id");
-static_assert(hardware_barrier(WarpgroupBarrier::kTailRowsZeroed, 1) <
+                  hardware_barrier(WarpgroupBarrier::kVSegmentsWritten, 0), "one event per barrier id");
+static_assert(hardware_barrier(WarpgroupBarrier::kVSegmentsWritten, 1) <
                   hardware_barrier(WarpgroupBarrier::kRawRowsRead, 0), "one event per barrier id");
 static_assert(hardware_barrier(WarpgroupBarrier::kRawRowsRead, 0) <
                   hardware_barrier(WarpgroupBarrier::kUnitWidened, 0), "one event per barrier id");

@@ -71,6 +71,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
     // The cache's tensor map lives in the kernel parameters (not written by any kernel): warm its cache line.
     if (!Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
     if (Traits::kSparse) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.q_tma));
+    if (params.out_by_tma) cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.out_tma));
   }
 
   // One-tile grids are launched as programmatic dependents of the kernel before them (launch_splitkv): everything
@@ -134,6 +135,7 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
   } else {
     encode_q_tma(params);
   }
+  encode_out_tma(params, Traits::kFp8Cache);
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled
