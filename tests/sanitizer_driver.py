@@ -17,7 +17,10 @@ Both include cases with an attention sink (attn_sink), applied in the split kern
 and in the combine kernel for cut ones, and FP8 caches (e4m3 and bf16 q; NaN / +-448 codes past every sequence's
 end) for the fp8 kernel and its in-place widening.
 
-Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool).
+Every result is also checked against the float32 reference (on the CPU, so no cuBLAS runs under the tool); with
+--lse-only only lse is, and out is never read: initcheck does not see the TMA stores that write out for 128 query
+heads or more (epilogue.h) and reports any later read of it, by a kernel or a copy to the host, as uninitialised
+(docs/HARDENING.md). The other three tools' runs compare out too.
 Prints one line per case and "DRIVER OK" at the end; exit status 1 on a wrong result, 2 without a GPU.
 """
 from __future__ import annotations
@@ -32,6 +35,9 @@ import torch
 # this checkout's flash_mla when the package is not installed (the script's own directory is tests/)
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 GARBAGE = (-1, 2 ** 31 - 1, -(2 ** 31), 77777)
+
+
+LSE_ONLY = False    # --lse-only: out is not read (initcheck)
 
 
 def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, num_sms=None, seed=0,
@@ -62,9 +68,17 @@ def run_case(name, seqlens, s_q, h_q, backend, causal=True, pad_garbage=None, nu
     out, lse = flash_mla_with_kvcache(batch.q, batch.k_cache, batch.block_table, batch.cache_seqlens, 512, md, ns,
                                       causal=causal, attn_sink=attn_sink, backend=backend, **descales)
     torch.cuda.synchronize()
-    metrics = compare(out, lse, *reference_for(batch.dequantized() if fp8 else batch, attn_sink=attn_sink))
-    assert_close(metrics, out_dtype, name)
+    ref_out, ref_lse = reference_for(batch.dequantized() if fp8 else batch, attn_sink=attn_sink)
     padding = padding.cpu()
+    if LSE_ONLY:
+        # out as the reference's (never read), so that only lse is compared
+        metrics = compare(ref_out, lse, ref_out, ref_lse)
+        assert_close(metrics, out_dtype, name)
+        assert bool(torch.isneginf(lse.cpu()[padding]).all()), f"{name}: padding rows"
+        print(f"ok  {name:<76} parts={md.shape[0]:<3} lse_err={metrics['lse_rel_l2']:.1e}", flush=True)
+        return
+    metrics = compare(out, lse, ref_out, ref_lse)
+    assert_close(metrics, out_dtype, name)
     out, lse = out.cpu(), lse.cpu()
     assert bool((out[padding] == 0).all()) and bool(torch.isneginf(lse[padding]).all()), f"{name}: padding rows"
     splits = int(ns[-1]) - len(seqlens)
@@ -172,7 +186,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", choices=("padded", "small"))
     parser.add_argument("--backends", default="cuda", help="comma-separated: cuda, triton (default: cuda)")
+    parser.add_argument("--lse-only", action="store_true", help="compare lse only and never read out (initcheck)")
     args = parser.parse_args()
+    global LSE_ONLY
+    LSE_ONLY = args.lse_only
     if not torch.cuda.is_available():
         print("skipped: needs a CUDA GPU")
         return 2

@@ -421,12 +421,12 @@ STAGED_LENGTHS = [1, 63, 64, 65, 127, 128, 129, 191, 192, 257, 0, 320]
 
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 128), (2, 40)])
+@pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 128), (1, 160), (2, 64)])
 def test_out_staged_in_page_buffers(s_q, h_q, dtype):
-    """Unsplit pieces on grids of two or more row tiles (one KV head) go to out through the V half of their last
-    page's buffer and TMA stores, which that half's refill for the next piece waits for (epilogue.h): two SM parts
-    each walking 18 whole sequences, so every staged half is refilled for the next one; h_q 40, s_q 2 has a partial
-    second tile (80 rows), whose padding rows lie outside out."""
+    """Unsplit pieces with 128 query heads or more (one KV head) go to out through the V half of their last page's
+    buffer and TMA stores, which that half's refill for the next piece waits for (epilogue.h): two SM parts each
+    walking 18 whole sequences, so every staged half is refilled for the next one; h_q 160 has a partial third
+    tile (32 rows), whose padding rows lie outside out; h_q 64, s_q 2 (two tiles) stores from registers."""
     seqlens = STAGED_LENGTHS * 3
     tiles = -(-s_q * h_q // 64)
     _, (_, ns), _, _, metrics = run_case(seqlens, s_q, h_q, dtype=dtype, num_sms=2 * tiles, seed=s_q * h_q)

@@ -2,11 +2,12 @@
 //   unsplit sequence: out (bf16/fp16) and lse, with the attention sink applied;
 //   piece of a split sequence: fp32 partial O and lse to the piece's workspace slot (the combine kernel
 //   applies the sink once it knows the final lse).
-// Out goes one of two ways. With one KV head (p.out_by_tma; kv_cache_tma.h encode_out_tma) the warpgroup stages its
-// 64 x 256 half in the V half of the page buffer it read last (four swizzled 64 x 64 segments, free once its last
-// P V is complete) and one thread stores them with four TMA boxes (stage_and_store); the mainloop refills that V
-// half only after the store has read it. Otherwise, and for fp32 partials, each thread stores its pairs of
-// columns from registers (write): 64 four- or eight-byte stores a thread, each warp instruction touching 8 rows.
+// Out goes one of two ways. Where the launcher set p.out_by_tma (one KV head, 128 query heads or more: kv_cache_tma.h
+// encode_out_tma) the warpgroup stages its 64 x 256 half in the V half of the page buffer it read last (four
+// swizzled 64 x 64 segments, free once its last P V is complete) and one thread stores them with four TMA boxes
+// (stage_and_store); that V half is refilled only after the stores have read it. Otherwise, and for fp32 partials,
+// each thread stores its pairs of columns from registers (write_row): 64 four- or eight-byte stores a thread, each
+// warp instruction touching 8 rows.
 #pragma once
 
 #include <cute/arch/copy_sm90_tma.hpp>
@@ -39,8 +40,8 @@ struct SplitKvEpilogue {
                                int m_tile, int warpgroup, const RowStats& stats, TensorO& O, const TensorC& tOcO,
                                Element* staging, Release&& release) {
     using namespace cute;
-    // Without staging each row is stored as soon as it is normalised (as before staging existed: the FP8-cache
-    // kernels' one-tile rows measured 1 % slower with both rows normalised first).
+    // Without staging each row is stored as soon as it is normalised (H200, FP8 one-tile rows, which never stage:
+    // +1.1 % against the kernel before staging with both rows normalised first, +0.5 % so).
     const bool staged = !Traits::kSparse && staging != nullptr;    // (the sparse kernel has no registers to spare)
     const bool quad_leader = threadIdx.x % 4 == 0;
     float lse[kRowsPerThread];
@@ -129,20 +130,8 @@ struct SplitKvEpilogue {
       CUTE_UNROLL
       for (int s = 0; s < kVHalf; ++s) {
         const int seg = kVHalf * warpgroup + s;
-#if defined(FLASH_MLA_EXP) && FLASH_MLA_EXP == 1
-        {
-          constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
-          asm volatile(
-              "cp.async.bulk.tensor.3d.global.shared::cta.bulk_group.L2::cache_hint [%0, {%2, %3, %4}], [%1], %5;"
-              :
-              : "l"(reinterpret_cast<uint64_t>(p.out_tma)), "r"(cast_smem_ptr_to_uint(tile + seg * Traits::kBlockN * 128)),
-                "r"(seg * kSegmentCols), "r"(m_tile * Traits::kBlockM), "r"(piece.seq), "l"(kEvictFirst)
-              : "memory");
-        }
-#else
         SM90_TMA_STORE_3D::copy(p.out_tma, tile + seg * Traits::kBlockN * 128, seg * kSegmentCols,
                                 m_tile * Traits::kBlockM, piece.seq);
-#endif
         tma_store_arrive();
       }
       // Unit u of the half covers segments [kSegmentsPerUnit u, + kSegmentsPerUnit): free once their groups have

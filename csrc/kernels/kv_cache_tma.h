@@ -104,15 +104,15 @@ inline void encode_q_tma(DecodeParams& params) {
 //   (512 columns, rows_per_kv packed rows, batch)     strides in bytes: (2, 1024, 1024 rows_per_kv)
 // (packed row = token * num_heads_q + head), stored in boxes of 64 columns x 64 rows with the 128-byte swizzle:
 // one segment of SmemLayoutK, so a warpgroup's half of a row tile is four stores; rows past rows_per_kv lie
-// outside the tensor and are not written. With several KV heads a tile's rows are not consecutive in out: the
-// epilogue then stores from registers (out_by_tma false). So it does with one row tile per KV head (h_q * s_q <=
-// 64), where the kernel streams pages and the refill of the V half that holds the staged O must not wait for the
-// epilogue (H200, docs/PERF.md "Split kernel"), and for an fp16 out of the FP8-cache kernels (`fp8_cache`: they
-// stage bf16 only, the out of an e4m3 or bf16 q).
+// outside the tensor and are not written. Where it is used is measured (H200, docs/PERF.md "Split kernel"): with
+// 128 query heads or more (each query token's heads fill two row tiles) the measured rows ran 0-2.9 % faster; with
+// fewer, one-tile rows stream pages and must not have a V half's refill wait for the epilogue, and h_q 64, s_q 2
+// on a bf16 cache lost 1.4-3.4 % at L = 8192. With several KV heads a tile's rows are not consecutive in out. The
+// FP8-cache kernels stage bf16 only (`fp8_cache`: the out of an e4m3 or bf16 q; an fp16 q's goes by registers).
 inline void encode_out_tma(DecodeParams& params, bool fp8_cache) {
   static_assert(sizeof(CUtensorMap) == sizeof(params.out_tma), "DecodeParams.out_tma holds a CUtensorMap");
   std::memset(params.out_tma, 0, sizeof(params.out_tma));
-  params.out_by_tma = params.num_heads_k == 1 && params.batch > 0 && params.num_row_tiles > 1 &&
+  params.out_by_tma = params.num_heads_k == 1 && params.batch > 0 && params.heads_per_kv >= 2 * kRowsPerTile &&
                       (!fp8_cache || params.out_bf16);
   if (!params.out_by_tma) return;
   constexpr cuuint64_t kElementBytes = 2, kRowBytes = kHeadDimV * kElementBytes;

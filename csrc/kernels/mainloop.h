@@ -52,6 +52,11 @@
 // Slots past a sequence's end arrive as the cache holds them (maybe NaN): S masks those keys and, for a 16-bit
 // cache, each warpgroup zeroes those V rows of a piece's partial last page before its P V (zero_tail_rows).
 // kPageB loads the next piece's Q tile once both S of the piece's last pair are done.
+// Epilogue of an unsplit piece with p.out_by_tma (epilogue.h): each warpgroup stages its half of the result in its
+// V half of the buffer of the piece's last page, which it alone reads after S, and stores it by TMA; the pair loop
+// is then told that no page comes for that buffer (after_piece), and the epilogue issues the warpgroup's refills of
+// it for the next piece instead: the RoPE unit at once if the buffer is its own, each V unit once the stores have
+// read it.
 //
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
 // with TMA's 128-byte swizzle into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row.

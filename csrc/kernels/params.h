@@ -107,9 +107,9 @@ struct DecodeParams {
   // Sparse kernel: TMA descriptor of q as (576, num_heads_q, seqlen_q, batch), 64 x 64 boxes with the 128-byte
   // swizzle (a Q tile is 64 heads of one query token there); filled in by the sparse launcher (kv_cache_tma.h).
   alignas(64) unsigned char q_tma[128];
-  // TMA descriptor of out as (512, rows_per_kv, batch), 64 x 64 boxes with the 128-byte swizzle, and whether it is
-  // set: with one KV head (MLA's case) a row tile of a sequence is 64 consecutive rows of out, and the split
-  // kernel stores unsplit pieces' results through shared memory with it (epilogue.h). Filled in by the launcher.
+  // TMA descriptor of out as (512, rows_per_kv, batch), 64 x 64 boxes with the 128-byte swizzle, and whether the
+  // split kernel stores unsplit pieces' results through shared memory with it (epilogue.h): with one KV head a row
+  // tile of a sequence is 64 consecutive rows of out. Set by the launcher where it pays (encode_out_tma).
   alignas(64) unsigned char out_tma[128];
   bool out_by_tma;
 };
