@@ -7,12 +7,12 @@
 
 Each .cu file is compiled to a cubin for sm_90a with the flags setup.py builds with (ptxas -v: registers and
 spills), in this tree and, with --base, in another checkout; `cuobjdump -sass` disassembles it (from the CUDA
-toolkit, or the nvidia-cuda-cuobjdump wheel on a machine without one: set CUOBJDUMP to its bin/cuobjdump). One
-block per kernel function: instructions, registers, spills, and every opcode whose count differs (opcodes without
-their modifiers, `--modifiers` keeps them); one build alone prints its counts. The counts are static: an
-instruction inside the pair loop weighs its trip count at run time, so read the diff next to the change (the FP8
-widening's selects, shifts and branches were found this way: docs/PERF.md, "FP8 cache"). Only for our own
-kernels: the anchors are never disassembled.
+toolkit, from Triton's wheel, which ships it and nvdisasm, or from the nvidia-cuda-cuobjdump wheel: set CUOBJDUMP to
+its bin/cuobjdump). One block per kernel function: instructions, registers, spills, and every opcode whose count
+differs (opcodes without their modifiers, `--modifiers` keeps them); one build alone prints its counts. The counts
+are static: an instruction inside the pair loop weighs its trip count at run time, so read the diff next to the
+change (the FP8 widening's selects, shifts and branches were found this way: docs/PERF.md, "FP8 cache"). Only for
+our own kernels: the anchors are never disassembled.
 
 --lines compiles with -lineinfo and disassembles with `nvdisasm --print-line-info` (NVDISASM, or beside cuobjdump):
 per kernel function and warpgroup role (the code split at each setmaxnreg, as benchmarks/ncu_roles.py splits
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib.util
 import os
 import re
 import shutil
@@ -77,8 +78,19 @@ def count_diff(base: collections.Counter, new: collections.Counter) -> list[tupl
     return sorted(rows, key=lambda r: (-abs(r[2] - r[1]), r[0]))
 
 
+def _bundled_with_triton(name: str) -> str | None:
+    """Triton's wheel ships cuobjdump and nvdisasm (triton/backends/nvidia/bin): a CUDA toolkit without them (nvcc
+    alone) then needs no download."""
+    spec = importlib.util.find_spec("triton")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "backends" / "nvidia" / "bin" / name
+    return str(path) if path.exists() else None
+
+
 def _tool(env: str, name: str, hint: str) -> str:
-    for candidate in (os.environ.get(env), shutil.which(name), f"/usr/local/cuda/bin/{name}"):
+    for candidate in (os.environ.get(env), shutil.which(name), f"/usr/local/cuda/bin/{name}",
+                      _bundled_with_triton(name)):
         if candidate and Path(candidate).exists():
             return candidate
     raise SystemExit(f"sass_diff: {name} not found: set {env}{hint}")
@@ -165,7 +177,8 @@ def disassemble_lines(cubin: Path) -> str:
     """`nvdisasm --print-line-info` of a cubin (NVDISASM, nvdisasm on PATH or in /usr/local/cuda/bin, or the one
     beside CUOBJDUMP: the nvidia-cuda-cuobjdump wheel ships both)."""
     beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
-    nvdisasm = os.environ.get("NVDISASM") or shutil.which("nvdisasm") or (str(beside) if beside.exists() else None)
+    nvdisasm = (os.environ.get("NVDISASM") or shutil.which("nvdisasm") or (str(beside) if beside.exists() else None)
+                or _bundled_with_triton("nvdisasm"))
     if nvdisasm is None:
         raise SystemExit("sass_diff: nvdisasm not found: set NVDISASM (it ships beside cuobjdump)")
     proc = subprocess.run([nvdisasm, "--print-line-info", str(cubin)], capture_output=True, text=True)
