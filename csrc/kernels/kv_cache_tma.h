@@ -107,7 +107,7 @@ inline void encode_q_tma(DecodeParams& params) {
 // outside the tensor and are not written. Where it is used is measured (H200, docs/PERF.md "Split kernel"): with
 // 128 query heads or more (each query token's heads fill two row tiles) the measured rows ran 0-2.9 % faster; with
 // fewer, one-tile rows stream pages and must not have a V half's refill wait for the epilogue, and h_q 64, s_q 2
-// on a bf16 cache lost 1.4-3.4 % at L = 8192. With several KV heads a tile's rows are not consecutive in out. The
+// on a bf16 cache lost 0.5-3.4 % at L = 8192. With several KV heads a tile's rows are not consecutive in out. The
 // FP8-cache kernels stage bf16 only (`fp8_cache`: the out of an e4m3 or bf16 q; an fp16 q's goes by registers).
 inline void encode_out_tma(DecodeParams& params, bool fp8_cache) {
   static_assert(sizeof(CUtensorMap) == sizeof(params.out_tma), "DecodeParams.out_tma holds a CUtensorMap");
