@@ -132,10 +132,11 @@ void launch_splitkv(const DecodeParams& binding_params, cudaStream_t stream) {
     encode_kv_cache_tma(params, Traits::kFp8Cache                             ? CacheDtype::kE4m3
                                 : std::is_same_v<Element, cutlass::half_t> ? CacheDtype::kFp16
                                                                              : CacheDtype::kBf16);
+    encode_out_tma(params, Traits::kFp8Cache);
   } else {
     encode_q_tma(params);
+    params.out_by_tma = false;    // the sparse kernel stores from registers (epilogue.h)
   }
-  encode_out_tma(params, Traits::kFp8Cache);
   auto kernel = mla_splitkv_kernel<Traits>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // Programmatic dependent launch for one-tile grids (<= 64 query rows per KV head): the CTAs may be scheduled
