@@ -10,7 +10,11 @@ Printed per row (us; medians, p10, p90, max over CTAs or pieces): q_landed_after
 from the CTA's entry), first_s_after_q (S of a piece's first page complete, from its Q), pace_us_per_page (a piece's
 pairs, first S to the last pair's end, per page), epilogue (normalisation and stores, kPageA / kPageB; split pieces
 write fp32 partials, the others out), gap_prev_epi_to_q (a piece's Q waited for, from the previous epilogue's end),
-overhead (a CTA's time outside its pieces' page loops: start, epilogues, boundaries, end) and the exit times' spread.
+overhead (a CTA's time outside its pieces' page loops: start, epilogues, boundaries, end) and the exit times' spread;
+then, in clock64 cycles per page of the CTA (kPageA / kPageB; CTAs with at most 7 pieces), the time each warpgroup's
+thread 0 spent in the pair loop's waits: *_unit_waits (S waiting for page units to land; with an e4m3 q also P V
+waiting for the V halves to be widened), *_mailbox_waits (for the other warpgroup's post), *_pv_waits (for its own
+P V WGMMAs to complete).
 """
 import argparse
 import os
@@ -20,6 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 SLOTS = 64                                   # kProbeSlots (probe.h)
 ENTRY, SM, ROLE_START, EXIT, PIECE_COUNT, FIRST_PIECE, PER_PIECE, MAX_PIECES = 0, 1, 2, 3, 4, 8, 8, 7
+UNIT_WAITS, MAILBOX_WAITS, PV_WAITS = 5, 6, 7          # cycles, summed over the CTA's pieces (values)
+WAITS = (("unit_waits", UNIT_WAITS), ("mailbox_waits", MAILBOX_WAITS), ("pv_waits", PV_WAITS))
 Q_LANDED, FIRST_S, MAINLOOP_END, EPILOGUE_END, PAGES, SEQ, SPLIT = range(7)
 
 
@@ -43,6 +49,7 @@ def summarise(stamps):
     figures = {name: [] for name in ("q_landed_after_entry", "first_s_after_q", "first_s_after_q_b",
                                      "pace_us_per_page", "epilogue_a", "epilogue_b", "epilogue_a_out",
                                      "epilogue_a_partials", "gap_prev_epi_to_q", "overhead")}
+    cycles = {f"{role}_{name}_cycles_per_page": [] for name, _ in WAITS for role in ("a", "b")}
     exits = []
     for s in kept:
         a, b = s[0], s[1]
@@ -67,6 +74,13 @@ def summarise(stamps):
             figures["epilogue_b"].append(us(b[base + EPILOGUE_END]) - us(b[base + MAINLOOP_END]))
             in_loops += loop_end - landed
         figures["overhead"].append(end - us(a[ENTRY]) - in_loops)
+        pieces = int(a[PIECE_COUNT])
+        pages = sum(int(a[FIRST_PIECE + PER_PIECE * k + PAGES]) for k in range(min(pieces, MAX_PIECES)))
+        if 0 < pieces <= MAX_PIECES and pages > 0:
+            for name, slot in WAITS:
+                for role, w in (("a", a), ("b", b)):
+                    cycles[f"{role}_{name}_cycles_per_page"].append(int(w[slot]) / pages)
+    figures.update(cycles)
     return figures, exits, kept
 
 

@@ -14,12 +14,13 @@ _spec.loader.exec_module(probe_timeline)
 P = probe_timeline
 
 
-def _cta(entry, pieces, exit_):
+def _cta(entry, pieces, exit_, waits=((0, 0, 0), (0, 0, 0))):
     """One CTA's stamps (ns): pieces = [(q_landed, first_s, loop_end, epilogue_end, pages, split)], the same for
-    both computing warpgroups."""
+    both computing warpgroups; waits = per warpgroup (unit, mailbox, P V) wait cycles."""
     s = np.zeros((3, P.SLOTS), dtype=np.int64)
     for w in (0, 1):
         s[w, P.ENTRY], s[w, P.EXIT], s[w, P.PIECE_COUNT] = entry, exit_, len(pieces)
+        s[w, P.UNIT_WAITS], s[w, P.MAILBOX_WAITS], s[w, P.PV_WAITS] = waits[w]
         for k, (landed, first_s, loop_end, epi_end, pages, split) in enumerate(pieces):
             base = P.FIRST_PIECE + P.PER_PIECE * k
             s[w, base + P.Q_LANDED], s[w, base + P.FIRST_S] = landed, first_s
@@ -32,7 +33,8 @@ def test_piece_figures_and_overhead():
     # entry at 1000 ns; piece 0: Q at 6 us, first S 8 us, 11 pages to 28 us, epilogue to 31 us (out);
     # piece 1: Q at 32 us, first S 34 us, 5 pages to 42 us, epilogue to 44 us (partials); exit 44.5 us
     cta = _cta(1000, [(6000 + 1000, 8000 + 1000, 28000 + 1000, 31000 + 1000, 11, 0),
-                      (32000 + 1000, 34000 + 1000, 42000 + 1000, 44000 + 1000, 5, 1)], 44500 + 1000)
+                      (32000 + 1000, 34000 + 1000, 42000 + 1000, 44000 + 1000, 5, 1)], 44500 + 1000,
+               waits=((1600, 3200, 800), (160, 16, 0)))
     idle = np.zeros((3, P.SLOTS), dtype=np.int64)
     idle[0, P.ENTRY] = 500        # an SM part with no work: entry, no exit
     figures, exits, kept = P.summarise(np.stack([cta, idle]))
@@ -44,6 +46,13 @@ def test_piece_figures_and_overhead():
     assert figures["gap_prev_epi_to_q"] == [pytest.approx(1.0)]
     # outside the page loops: 44.5 us - (22 + 10) us
     assert figures["overhead"] == [pytest.approx(12.5)]
+    # wait cycles per page of the CTA (16 pages)
+    assert figures["a_unit_waits_cycles_per_page"] == [pytest.approx(100)]
+    assert figures["a_mailbox_waits_cycles_per_page"] == [pytest.approx(200)]
+    assert figures["a_pv_waits_cycles_per_page"] == [pytest.approx(50)]
+    assert figures["b_unit_waits_cycles_per_page"] == [pytest.approx(10)]
+    assert figures["b_mailbox_waits_cycles_per_page"] == [pytest.approx(1)]
+    assert figures["b_pv_waits_cycles_per_page"] == [pytest.approx(0)]
 
 
 def test_no_stamps_keeps_nothing():
@@ -58,6 +67,8 @@ def test_slot_numbers_match_the_kernel_header():
     assert values["kProbeEntry"] == P.ENTRY and values["kProbeSm"] == P.SM and values["kProbeExit"] == P.EXIT
     assert values["kProbeRoleStart"] == P.ROLE_START and values["kProbePieceCount"] == P.PIECE_COUNT
     assert values["kProbeFirstPiece"] == P.FIRST_PIECE
+    assert (values["kProbeUnitWaits"], values["kProbeMailboxWaits"], values["kProbePvWaits"]) == (
+        P.UNIT_WAITS, P.MAILBOX_WAITS, P.PV_WAITS)
     assert (values["kProbeQLanded"], values["kProbeFirstS"], values["kProbeMainloopEnd"], values["kProbeEpilogueEnd"],
             values["kProbePages"], values["kProbeSeq"], values["kProbeSplit"]) == (
         P.Q_LANDED, P.FIRST_S, P.MAINLOOP_END, P.EPILOGUE_END, P.PAGES, P.SEQ, P.SPLIT)

@@ -121,6 +121,7 @@ struct PipelinePhases {
   uint32_t q = 0;               // q_full: flips each time a piece with pages is done
   uint32_t mailbox = 0;         // probs_posted[*]: flips each pair (both warpgroups post once per pair)
   int pieces = 0;               // pieces with pages so far (probe.h builds only)
+  ProbeWaits waits;             // cycles spent in the pair loop's waits (probe.h builds only)
 };
 
 template <class Traits>
@@ -401,10 +402,11 @@ struct SplitKvMainloop {
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup,
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
-                                                   FragS& tSrS, int* exponent = nullptr) {
+                                                   FragS& tSrS, unsigned long long& unit_waits,
+                                                   int* exponent = nullptr) {
     using namespace cute;
     if constexpr (Traits::kE4m3Scores) {
-      compute_s_e4m3(smem, stage, phase, tSrQ, tSrK, tSrS);
+      compute_s_e4m3(smem, stage, phase, tSrQ, tSrK, tSrS, unit_waits);
     } else if constexpr (Traits::kSparse) {
       *exponent = compute_s_sparse(smem, stage, phase, warpgroup, tSrQ, tSrK, tSrS);
     } else {
@@ -413,7 +415,7 @@ struct SplitKvMainloop {
       CUTE_UNROLL
       for (int i = 0; i < kUnits; ++i) {
         const int unit = (i + kRopeUnit) % kUnits;
-        Barrier::wait(&smem.unit_full[stage][unit], phase);
+        probe_timed(unit_waits, [&] { Barrier::wait(&smem.unit_full[stage][unit], phase); });
         if constexpr (Traits::kFp8Cache) {
           widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
@@ -514,14 +516,15 @@ struct SplitKvMainloop {
   // WGMMAs are complete, so that it can widen the unit in place while S runs on. Waited for before return.
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
-                                                        const FragQ& tSrQ, const FragK& tSrK, FragS& tSrS) {
+                                                        const FragQ& tSrQ, const FragK& tSrK, FragS& tSrS,
+                                                        unsigned long long& unit_waits) {
     using namespace cute;
     typename Traits::TiledMmaS8 mma;
     static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
     Tensor tSrU = make_fragment_like(tSrS);                                                    // (MMA, 1, 1)
     // K blocks of unit `unit` into `acc`, the first one overwriting it; one commit group.
     auto issue_unit = [&](int unit, auto& acc) {
-      Barrier::wait(&smem.unit_full[stage][unit], phase);
+      probe_timed(unit_waits, [&] { Barrier::wait(&smem.unit_full[stage][unit], phase); });
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       const int k_blocks = unit == kRopeUnit ? Traits::kE4m3RopeKBlocks : Traits::kE4m3KBlocksPerUnit;
@@ -727,7 +730,8 @@ struct SplitKvMainloop {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         int exponent_a = 0;
-        compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS, &exponent_a);
+        compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS, phases.waits.units,
+                  &exponent_a);
         if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
         if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
@@ -764,12 +768,14 @@ struct SplitKvMainloop {
         // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
         scale_rows(O, scale);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
-        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[0][0], phases.page[0]);
+        if constexpr (Traits::kE4m3Scores) {
+          probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[0][0], phases.page[0]); });
+        }
         issue_pv(tOrPa, tOrVa, tOrO);
         if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
-        Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox);
+        probe_timed(phases.waits.mailbox, [&] { Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox); });
         const float4 from_b = smem.stats[wg_thread];
         const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
         if (has_b) {
@@ -783,18 +789,20 @@ struct SplitKvMainloop {
             frame = frame_b;
           }
           // O_L may be rescaled only once P_a V_a is done (long done by now in the common case).
-          wait_pv(tOrO);
+          probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
-          if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[1][0], phases.page[1]);
+          if constexpr (Traits::kE4m3Scores) {
+            probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][0], phases.page[1]); });
+          }
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
-          wait_pv(tOrO);
+          probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
         } else {
-          wait_pv(tOrO);
+          probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
         }
         stats.max[0] = m_b[0];
@@ -811,7 +819,7 @@ struct SplitKvMainloop {
         int exponent_b = kNoFrame;
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS,
-                    &exponent_b);
+                    phases.waits.units, &exponent_b);
           if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
           if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
@@ -824,7 +832,7 @@ struct SplitKvMainloop {
         }
 
         // ---- take P_a, m_a, rowsum_a; the pair's reference m_b = max(m_a, m_b'); post P_b, m_b, l ----------
-        Barrier::wait(&smem.probs_posted[kPageAPosted], phases.mailbox);
+        probe_timed(phases.waits.mailbox, [&] { Barrier::wait(&smem.probs_posted[kPageAPosted], phases.mailbox); });
         const float4 from_a = smem.stats[wg_thread];
         take_probs(smem, tOrPa);
         const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
@@ -872,19 +880,23 @@ struct SplitKvMainloop {
         Tensor Pa = as_rows_cols(make_tensor(tOrPa.data(), tSrS.layout()));                   // (ROW, COL)
         scale_probs(Pa, scale_b);
         zero_tail_rows(smem, 0, kWarpgroup, piece.end - key0);
-        if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[0][1], phases.page[0]);
+        if constexpr (Traits::kE4m3Scores) {
+          probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[0][1], phases.page[0]); });
+        }
         issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
-          if constexpr (Traits::kE4m3Scores) Barrier::wait(&smem.v_half_widened[1][1], phases.page[1]);
+          if constexpr (Traits::kE4m3Scores) {
+            probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][1], phases.page[1]); });
+          }
           issue_pv(tOrPb, tOrVb, tOrO);
           if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
-          warpgroup_wait<1>();                              // P_a V_a done: V_a[:, 256:512] is free
+          probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
-          wait_pv(tOrO);
+          probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
         } else {
-          wait_pv(tOrO);
+          probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
         }
       }
@@ -949,6 +961,9 @@ struct SplitKvMainloop {
       attend_piece<kRole>(p, scales, smem, range, piece, kv_head, m_tile, phases);
     }
     probe_put(p, kProbePieceCount, phases.pieces);
+    probe_put(p, kProbeUnitWaits, phases.waits.units);
+    probe_put(p, kProbeMailboxWaits, phases.waits.mailbox);
+    probe_put(p, kProbePvWaits, phases.waits.pv);
   }
 };
 

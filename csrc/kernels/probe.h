@@ -1,7 +1,8 @@
 // Per-CTA timeline of the split kernel, for diagnostic builds only (nvcc -DFLASH_MLA_PROBE; read back and summarised
 // by benchmarks/probe_timeline.py). Thread 0 of each warpgroup writes %globaltimer (ns) or a value into
-// p.probe[(cta * 3 + warpgroup) * kProbeSlots + slot], cta = the linear block index. Without the macro, or with
-// p.probe null, nothing is written: every call below compiles to nothing in a product build.
+// p.probe[(cta * 3 + warpgroup) * kProbeSlots + slot], cta = the linear block index, and sums the clock64 cycles it
+// spends in the pair loop's waits (probe_timed). Without the macro, or with p.probe null, nothing is written: every
+// call below compiles to nothing (probe_timed to the wait alone) in a product build.
 #pragma once
 
 #include "params.h"
@@ -22,6 +23,9 @@ enum ProbeSlot : int {
   kProbeRoleStart = 2,    // after the CTA's barrier set-up
   kProbeExit = 3,         // the warpgroup's last instruction
   kProbePieceCount = 4,   // pieces with pages (a value)
+  kProbeUnitWaits = 5,    // cycles (clock64) thread 0 waited in S for page units to land (dense kernels; a value)
+  kProbeMailboxWaits = 6, // cycles it waited for the other warpgroup's mailbox post (a value)
+  kProbePvWaits = 7,      // cycles it waited for its own P V WGMMAs to complete (a value)
   kProbeFirstPiece = 8,
 };
 enum ProbePieceSlot : int {
@@ -59,6 +63,23 @@ __device__ __forceinline__ void probe_sm(const DecodeParams& p) {
     unsigned sm;
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     probe_put(p, kProbeSm, sm);
+  }
+}
+
+// Cycles a warpgroup's thread 0 spent in each kind of wait, summed over the CTA's pieces (kProbe*Waits).
+struct ProbeWaits {
+  unsigned long long units = 0, mailbox = 0, pv = 0;
+};
+
+// Runs wait(); in a probe build also adds the clock64 cycles it took to `total`.
+template <class Wait>
+__device__ __forceinline__ void probe_timed(unsigned long long& total, Wait&& wait) {
+  if constexpr (kProbeBuild) {
+    const long long start = clock64();
+    wait();
+    total += static_cast<unsigned long long>(clock64() - start);
+  } else {
+    wait();
   }
 }
 
