@@ -98,10 +98,7 @@ struct SplitKvEpilogue {
     CUTE_UNROLL
     for (int r = 0; r < kRowsPerThread; ++r) {
       const int row = m_tile * Traits::kBlockM + get<0>(tOcO(r, 0));
-      if (warpgroup == 0 && threadIdx.x % 4 == 0 && row < p.rows_per_kv) {
-        const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
-        p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse[r];
-      }
+      if (warpgroup == 0 && threadIdx.x % 4 == 0 && row < p.rows_per_kv) store_lse(p, piece, kv_head, row, lse[r]);
     }
     // In WGMMA's accumulator layout a thread's pairs of a row sit at columns col0 + 8 j
     // (col0 < 8, even): pair j lies in segment j / 8, 16-byte chunk j % 8 (swizzled: Traits::swizzled_chunk_offset),
@@ -145,6 +142,12 @@ struct SplitKvEpilogue {
     }
   }
 
+  // An unsplit piece's lse of packed row `row` (< rows_per_kv) into lse (batch, num_heads_q, seqlen_q).
+  __device__ static void store_lse(const DecodeParams& p, const Piece& piece, int kv_head, int row, float lse) {
+    const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+    p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+  }
+
   // 1 / (1 + exp(sink - lse)) for packed row `row` (SPEC.md "attn_sink"); 1 without a sink.
   __device__ static float sink_factor(const DecodeParams& p, int row, int kv_head, float lse) {
     if (p.attn_sink == nullptr || row >= p.rows_per_kv) return 1.f;
@@ -179,7 +182,7 @@ struct SplitKvEpilogue {
       } else {
         store_out(Element{});
       }
-      if (warpgroup == 0 && quad_leader) p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+      if (warpgroup == 0 && quad_leader) store_lse(p, piece, kv_head, row, lse);
     } else {
       const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
       float* dst = p.o_partial + partial_row * kHeadDimV + col0;
