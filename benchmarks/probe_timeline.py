@@ -56,11 +56,13 @@ def summarise(stamps):
         end = max(us(s[w][EXIT]) for w in range(3) if s[w][EXIT] > 0)
         exits.append(end)
         in_loops = 0.0
-        for k in range(min(int(a[PIECE_COUNT]), MAX_PIECES)):
+        pieces, cta_pages = int(a[PIECE_COUNT]), 0
+        for k in range(min(pieces, MAX_PIECES)):
             base = FIRST_PIECE + PER_PIECE * k
             landed, first_s, loop_end = us(a[base + Q_LANDED]), us(a[base + FIRST_S]), us(a[base + MAINLOOP_END])
             epilogue = us(a[base + EPILOGUE_END]) - loop_end
             pages = int(a[base + PAGES])
+            cta_pages += pages
             if k == 0:
                 figures["q_landed_after_entry"].append(landed - us(a[ENTRY]))
             else:
@@ -74,12 +76,10 @@ def summarise(stamps):
             figures["epilogue_b"].append(us(b[base + EPILOGUE_END]) - us(b[base + MAINLOOP_END]))
             in_loops += loop_end - landed
         figures["overhead"].append(end - us(a[ENTRY]) - in_loops)
-        pieces = int(a[PIECE_COUNT])
-        pages = sum(int(a[FIRST_PIECE + PER_PIECE * k + PAGES]) for k in range(min(pieces, MAX_PIECES)))
-        if 0 < pieces <= MAX_PIECES and pages > 0:
+        if 0 < pieces <= MAX_PIECES and cta_pages > 0:
             for name, slot in WAITS:
                 for role, w in (("a", a), ("b", b)):
-                    cycles[f"{role}_{name}_cycles_per_page"].append(int(w[slot]) / pages)
+                    cycles[f"{role}_{name}_cycles_per_page"].append(int(w[slot]) / cta_pages)
     figures.update(cycles)
     return figures, exits, kept
 
