@@ -1,0 +1,204 @@
+// Tensor-pipe throughput of the WGMMA shapes the split kernel uses or could use, with two warpgroups of one CTA per
+// SM issuing at once (as the split kernel's two computing warpgroups do) and nothing else running: the ceiling of
+// each shape, and of the kernel's own mix of S and P V, against the dense peak (4,096 bf16 / 8,192 e4m3 FLOP per
+// clock per SM). Decides whether a schedule change that alters a WGMMA's N (or moves an operand into registers)
+// can pay before any kernel is built around it. Operands are zeros in shared memory, laid out as the kernel's
+// (K-major with the 128-byte swizzle; V^T MN-major); each warpgroup issues batches of four WGMMAs into its
+// accumulator, one commit group each, with at most two groups in flight. Cycles by clock64 per warpgroup.
+//
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include \
+//        -I$CUDA_HOME/include/cccl benchmarks/wgmma_rates.cu -o /tmp/wgmma && /tmp/wgmma
+//   (<cutlass>: python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))"/source)
+//
+// One row per configuration: FLOP per clock per SM (median over CTAs of both warpgroups' work over the longer of
+// their two spans) and its fraction of the dense peak.
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e = (x);                                                                           \
+    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
+  } while (0)
+
+using namespace cute;
+
+constexpr int kKBlocksPerBatch = 4;    // WGMMAs per commit group (a 64-column unit of a 16-bit page, as S issues)
+constexpr int kWgThreads = 128;
+
+// One WGMMA shape: element T, N, A from registers (RS) or shared memory (SS), B K-major or MN-major (V^T).
+template <class T, int N, bool kRegisterA, bool kBMnMajor>
+struct Shape_ {
+  using Element = T;
+  static constexpr int kN = N;
+  static constexpr bool kRegA = kRegisterA;
+  static constexpr int kK = 32 / int(sizeof(T));                       // K of one instruction: 16 (16-bit), 32 (e4m3)
+  static constexpr int kBatchK = kK * kKBlocksPerBatch;
+  using BatchShape = cute::Shape<_64, Int<N>, Int<kBatchK>>;
+  static constexpr auto kMajorB = kBMnMajor ? GMMA::Major::MN : GMMA::Major::K;
+  static auto make_mma() {
+    if constexpr (kRegisterA) return make_tiled_mma(GMMA::rs_op_selector<T, T, float, BatchShape, GMMA::Major::K, kMajorB>());
+    else return make_tiled_mma(GMMA::ss_op_selector<T, T, float, BatchShape, GMMA::Major::K, kMajorB>());
+  }
+  using TiledMma = decltype(make_mma());
+  using SmemLayoutA = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, cute::Shape<_64, Int<kBatchK>>{}));
+  static auto make_layout_b() {    // (N, K); MN-major tiled key-first, as the kernel's V^T
+    if constexpr (kBMnMajor) {
+      return tile_to_shape(GMMA::Layout_MN_SW128_Atom<T>{}, cute::Shape<Int<N>, Int<kBatchK>>{}, Step<_2, _1>{});
+    } else {
+      return tile_to_shape(GMMA::Layout_K_SW128_Atom<T>{}, cute::Shape<Int<N>, Int<kBatchK>>{});
+    }
+  }
+  using SmemLayoutB = decltype(make_layout_b());
+  static constexpr int kSmemBytes = (64 + N) * kBatchK * int(sizeof(T));
+  static constexpr double kBatchFlop = 2.0 * 64 * N * kBatchK;
+  static constexpr bool kE4m3 = sizeof(T) == 1;
+  static const char* name();
+};
+
+// `batches` commit groups of kKBlocksPerBatch WGMMAs of shape S on operands at `smem`; returns the accumulator's sum
+// (so that nothing is dead code).
+template <class S>
+__device__ float issue(char* smem, int batches) {
+  using T = typename S::Element;
+  typename S::TiledMma mma;
+  auto thr = mma.get_slice(threadIdx.x % kWgThreads);
+  Tensor sA = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem)), typename S::SmemLayoutA{});          // (64, K)
+  Tensor sB = make_tensor(make_smem_ptr(reinterpret_cast<T*>(smem) + cosize(typename S::SmemLayoutA{})),
+                          typename S::SmemLayoutB{});                                                      // (N, K)
+  Tensor tCrB = thr.partition_fragment_B(sB);                                                              // (MMA, 1, 4)
+  Tensor acc = partition_fragment_C(mma, cute::Shape<_64, Int<S::kN>>{});                                 // (MMA, 1, 1)
+  clear(acc);
+  auto run = [&](auto& tCrA) {
+#pragma unroll 1
+    for (int b = 0; b < batches; ++b) {
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int k = 0; k < size<2>(tCrB); ++k) gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
+      warpgroup_commit_batch();
+      warpgroup_wait<1>();
+      warpgroup_fence_operand(acc);
+    }
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(acc);
+  };
+  if constexpr (S::kRegA) {
+    Tensor tCrA = make_tensor<T>(partition_shape_A(mma, cute::Shape<_64, Int<S::kBatchK>>{}));           // (MMA, 1, 4)
+    clear(tCrA);
+    run(tCrA);
+  } else {
+    Tensor tCrA = thr.partition_fragment_A(sA);                                                            // (MMA, 1, 4)
+    run(tCrA);
+  }
+  float sum = 0.f;
+  CUTE_UNROLL
+  for (int i = 0; i < size(acc); ++i) sum += acc(i);
+  return sum;
+}
+
+// Warpgroup 0 issues shape A, warpgroup 1 shape B; kMix: each warpgroup alternates the kernel's per-page mix
+// instead (nine S batches of shape A, then two P V batches of shape B: 36 + 8 WGMMAs, one page's S and a V half's
+// two P V).
+template <class A, class B, bool kMix>
+__global__ void __launch_bounds__(2 * kWgThreads, 1) rate_kernel(int rounds, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  for (int i = threadIdx.x; i < kBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int warpgroup = threadIdx.x / kWgThreads;
+  const long long start = clock64();
+  float sum = 0.f;
+  if constexpr (kMix) {
+#pragma unroll 1
+    for (int r = 0; r < rounds; ++r) {
+      sum += issue<A>(smem, 9);
+      sum += issue<B>(smem + A::kSmemBytes, 2);
+    }
+  } else if (warpgroup == 0) {
+    sum = issue<A>(smem, rounds);
+  } else {
+    sum = issue<B>(smem + A::kSmemBytes, rounds);
+  }
+  const long long end = clock64();
+  if (threadIdx.x % kWgThreads == 0) cycles[blockIdx.x * 2 + warpgroup] = end - start;
+  if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
+}
+
+template <class T, int N, bool kRegisterA, bool kBMnMajor>
+const char* Shape_<T, N, kRegisterA, kBMnMajor>::name() {
+  static char buf[64];
+  std::snprintf(buf, sizeof(buf), "%s %s m64n%dk%d%s", kE4m3 ? "e4m3" : "bf16", kRegisterA ? "RS" : "SS", N, kK,
+                kBMnMajor ? " (B MN-major)" : "");
+  return buf;
+}
+
+template <class A, class B, bool kMix>
+void report(const char* label, int sms, int rounds) {
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  auto kernel = rate_kernel<A, B, kMix>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, sms * 2 * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds / 8, cycles, sink);    // warm-up
+  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds, cycles, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> host(sms * 2);
+  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  const double flop = kMix ? 2.0 * rounds * (9 * A::kBatchFlop + 2 * B::kBatchFlop)
+                           : rounds * (A::kBatchFlop + B::kBatchFlop);
+  const double peak = (A::kE4m3 && B::kE4m3) ? 8192.0 : 4096.0;
+  std::vector<double> rate(sms);
+  for (int c = 0; c < sms; ++c) rate[c] = flop / double(std::max(host[2 * c], host[2 * c + 1]));
+  std::sort(rate.begin(), rate.end());
+  const double median = rate[sms / 2];
+  std::printf("%-58s %8.0f FLOP / clock / SM  %5.1f %% of peak\n", label, median, 100.0 * median / peak);
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+}
+
+using Bf16 = cutlass::bfloat16_t;
+using E4m3 = cutlass::float_e4m3_t;
+using S64 = Shape_<Bf16, 64, false, false>;       // S today: Q and K from shared memory, N = 64
+using S128 = Shape_<Bf16, 128, false, false>;
+using S256 = Shape_<Bf16, 256, false, false>;
+using R64 = Shape_<Bf16, 64, true, false>;        // S with Q in registers
+using PV128 = Shape_<Bf16, 128, true, true>;
+using PV256 = Shape_<Bf16, 256, true, true>;      // P V today: P in registers, V^T MN-major, N = 256
+using E64 = Shape_<E4m3, 64, false, false>;       // the e4m3-scores kernel's S
+using E32 = Shape_<E4m3, 32, false, false>;
+
+int main() {
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount, rounds = 4096;
+  std::printf("%s, %d SMs; one CTA per SM, two warpgroups, batches of %d WGMMAs, at most two commit groups in flight\n",
+              prop.name, sms, kKBlocksPerBatch);
+  char label[128];
+  auto both = [&](const char* name) { std::snprintf(label, sizeof(label), "both: %s", name); return label; };
+  report<S64, S64, false>(both(S64::name()), sms, rounds);
+  report<S128, S128, false>(both(S128::name()), sms, rounds);
+  report<S256, S256, false>(both(S256::name()), sms, rounds);
+  report<R64, R64, false>(both(R64::name()), sms, rounds);
+  report<PV128, PV128, false>(both(PV128::name()), sms, rounds);
+  report<PV256, PV256, false>(both(PV256::name()), sms, rounds);
+  report<E64, E64, false>(both(E64::name()), sms, rounds);
+  report<E32, E32, false>(both(E32::name()), sms, rounds);
+  report<S64, PV256, false>("one each: bf16 SS m64n64k16 | bf16 RS m64n256k16 (MN)", sms, rounds);
+  report<S64, PV256, true>("kernel mix: 36 x SS m64n64k16 + 8 x RS m64n256k16 (MN)", sms, rounds / 8);
+  report<R64, PV256, true>("kernel mix, S from registers: 36 x RS m64n64k16 + 8 x PV", sms, rounds / 8);
+  report<S128, PV256, true>("mix with S at N = 128: 36 x SS m64n128k16 + 8 x PV", sms, rounds / 8);
+  return 0;
+}
