@@ -14,7 +14,9 @@ overhead (a CTA's time outside its pieces' page loops: start, epilogues, boundar
 then, in clock64 cycles per page of the CTA (kPageA / kPageB; CTAs with at most 7 pieces), the time each warpgroup's
 thread 0 spent in the pair loop's waits: *_unit_waits (S waiting for page units to land; with an e4m3 q also P V
 waiting for the V halves to be widened), *_mailbox_waits (for the other warpgroup's post), *_pv_waits (for its own
-P V WGMMAs to complete).
+P V WGMMAs to complete). Last, the pair timeline: for pairs 4..9 of each CTA's first piece with at least 20 pages, the
+clock64 cycle of each event of each warpgroup (probe.h ProbePairEvent) from kPageA's start of the pair, medians over
+those pairs of all CTAs, and the pair's length (kPageA's start to its next start).
 """
 import argparse
 import os
@@ -22,11 +24,38 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-SLOTS = 64                                   # kProbeSlots (probe.h)
+SLOTS = 128                                  # kProbeSlots (probe.h)
 ENTRY, SM, ROLE_START, EXIT, PIECE_COUNT, FIRST_PIECE, PER_PIECE, MAX_PIECES = 0, 1, 2, 3, 4, 8, 8, 7
 UNIT_WAITS, MAILBOX_WAITS, PV_WAITS = 5, 6, 7          # cycles, summed over the CTA's pieces (values)
 WAITS = (("unit_waits", UNIT_WAITS), ("mailbox_waits", MAILBOX_WAITS), ("pv_waits", PV_WAITS))
 Q_LANDED, FIRST_S, MAINLOOP_END, EPILOGUE_END, PAGES, SEQ, SPLIT = range(7)
+FIRST_PAIR_SLOT, PAIR_EVENTS, TIMED_PAIRS = 64, 8, 6     # kProbeFirstPairSlot, kProbePairEvents, kProbePairs
+# ProbePairEvent, in slot order, and each warpgroup's events in the order its schedule reaches them (mainloop.h)
+PAIR_EVENT_NAMES = ("start", "units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end")
+ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "taken", "pv_issued", "end"),
+               "b": ("units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end")}
+
+
+def pair_timeline(kept):
+    """{(role, event): [cycles from kPageA's start of the pair]} over the timed pairs of the CTAs kept, and the
+    pairs' lengths in cycles (kPageA's start to its next start, within the window)."""
+    events = {(role, name): [] for role in ("a", "b") for name in ROLE_EVENTS[role]}
+    lengths = []
+    for s in kept:
+        a = s[0]
+        for j in range(TIMED_PAIRS):
+            base = FIRST_PAIR_SLOT + PAIR_EVENTS * j
+            start = int(a[base])
+            if start == 0:
+                continue
+            for role, w in (("a", 0), ("b", 1)):
+                for name in ROLE_EVENTS[role]:
+                    t = int(s[w][base + PAIR_EVENT_NAMES.index(name)])
+                    if t:
+                        events[(role, name)].append(t - start)
+            if j + 1 < TIMED_PAIRS and int(a[base + PAIR_EVENTS]):
+                lengths.append(int(a[base + PAIR_EVENTS]) - start)
+    return events, lengths
 
 
 def pct(xs, q):
@@ -88,7 +117,7 @@ def main():
     from row_workload import add_row_arguments, capture_graph, row_label, row_workload
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_row_arguments(ap)
-    ap.add_argument("--raw", default=None, help="save the stamps (numpy, (ctas, 3, 64)) here")
+    ap.add_argument("--raw", default=None, help="save the stamps (numpy, (ctas, 3, 128)) here")
     args = ap.parse_args()
     args.impls = "flash_mla"
     import numpy as np
@@ -120,6 +149,13 @@ def main():
         if xs:
             print(f"{name}: median {pct(xs, .5):.2f} p10 {pct(xs, .1):.2f} p90 {pct(xs, .9):.2f} max {max(xs):.2f} "
                   f"n {len(xs)}")
+    events, lengths = pair_timeline(kept)
+    if lengths:
+        print(f"pair timeline (clock64 cycles from kPageA's start of the pair; medians over {len(lengths)} pairs): "
+              f"pair length {pct(lengths, .5):.0f} (p10 {pct(lengths, .1):.0f}, p90 {pct(lengths, .9):.0f})")
+        for role in ("a", "b"):
+            print(f"  kPage{role.upper()}: " + ", ".join(
+                f"{name} {pct(events[(role, name)], .5):.0f}" for name in ROLE_EVENTS[role] if events[(role, name)]))
     del outs, graph
 
 

@@ -74,3 +74,28 @@ def test_slot_numbers_match_the_kernel_header():
         P.Q_LANDED, P.FIRST_S, P.MAINLOOP_END, P.EPILOGUE_END, P.PAGES, P.SEQ, P.SPLIT)
     per_piece = re.search(r"kProbeSlotsPerPiece = (\d+)", header)
     assert int(per_piece.group(1)) == P.PER_PIECE
+    constants = {name: int(v) for name, v in re.findall(r"constexpr int (kProbe\w+) = (\d+);", header)}
+    assert constants["kProbeSlots"] == P.SLOTS and constants["kProbePairEvents"] == P.PAIR_EVENTS
+    assert constants["kProbePairs"] == P.TIMED_PAIRS
+    # kProbeFirstPairSlot = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces
+    assert values["kProbeFirstPiece"] + P.PER_PIECE * constants["kProbeMaxPieces"] == P.FIRST_PAIR_SLOT
+    events = dict(re.findall(r"(kProbe(?:PairStart|UnitsLanded|SDone|ProbsReady|Taken|Posted|PvIssued|PairEnd)) = (\d+)",
+                             header))
+    names = ["kProbePairStart", "kProbeUnitsLanded", "kProbeSDone", "kProbeProbsReady", "kProbeTaken", "kProbePosted",
+             "kProbePvIssued", "kProbePairEnd"]
+    assert [int(events[n]) for n in names] == list(range(len(P.PAIR_EVENT_NAMES)))
+
+
+def test_pair_timeline():
+    # two timed pairs of one CTA: kPageA starts them at cycles 1000 and 7000, events relative to those starts
+    cta = _cta(1000, [(6000, 8000, 28000, 31000, 24, 0)], 44500)
+    for j, start in enumerate((1000, 7000)):
+        base = P.FIRST_PAIR_SLOT + P.PAIR_EVENTS * j
+        for w, offsets in ((0, (0, 1600, 2100, 3000, 4400, 3100, 4900, 5800)),
+                           (1, (10, 2400, 2700, 3800, 3900, 4300, 5400, 6400))):
+            for event, offset in enumerate(offsets):
+                cta[w, base + event] = start + offset
+    events, lengths = P.pair_timeline([cta])
+    assert lengths == [6000]
+    assert events[("a", "units_landed")] == [1600, 1600] and events[("a", "taken")] == [4400, 4400]
+    assert events[("b", "posted")] == [4300, 4300] and events[("b", "end")] == [6400, 6400]

@@ -122,6 +122,8 @@ struct PipelinePhases {
   uint32_t mailbox = 0;         // probs_posted[*]: flips each pair (both warpgroups post once per pair)
   int pieces = 0;               // pieces with pages so far (probe.h builds only)
   ProbeWaits waits;             // cycles spent in the pair loop's waits (probe.h builds only)
+  bool pair_timeline_pending = true;    // no piece has had its pairs timed yet (probe.h builds only)
+  long long units_landed = 0;           // when S's wait for its page's last unit returned (probe.h builds only)
 };
 
 template <class Traits>
@@ -403,10 +405,10 @@ struct SplitKvMainloop {
   __device__ __forceinline__ static void compute_s(SharedStorage& smem, int stage, uint32_t phase, int warpgroup,
                                                    int valid_rows, const FragQ& tSrQ, const FragK& tSrK,
                                                    FragS& tSrS, unsigned long long& unit_waits,
-                                                   int* exponent = nullptr) {
+                                                   long long& units_landed, int* exponent = nullptr) {
     using namespace cute;
     if constexpr (Traits::kE4m3Scores) {
-      compute_s_e4m3(smem, stage, phase, tSrQ, tSrK, tSrS, unit_waits);
+      compute_s_e4m3(smem, stage, phase, tSrQ, tSrK, tSrS, unit_waits, units_landed);
     } else if constexpr (Traits::kSparse) {
       *exponent = compute_s_sparse(smem, stage, phase, warpgroup, tSrQ, tSrK, tSrS);
     } else {
@@ -416,6 +418,7 @@ struct SplitKvMainloop {
       for (int i = 0; i < kUnits; ++i) {
         const int unit = (i + kRopeUnit) % kUnits;
         probe_timed(unit_waits, [&] { Barrier::wait(&smem.unit_full[stage][unit], phase); });
+        if (i == kUnits - 1) units_landed = probe_clock();
         if constexpr (Traits::kFp8Cache) {
           widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
@@ -517,7 +520,7 @@ struct SplitKvMainloop {
   template <class FragQ, class FragK, class FragS>
   __device__ __forceinline__ static void compute_s_e4m3(SharedStorage& smem, int stage, uint32_t phase,
                                                         const FragQ& tSrQ, const FragK& tSrK, FragS& tSrS,
-                                                        unsigned long long& unit_waits) {
+                                                        unsigned long long& unit_waits, long long& units_landed) {
     using namespace cute;
     typename Traits::TiledMmaS8 mma;
     static_assert(kRopeUnit == 4 && kVHalfUnits == 2, "four V units of 128 columns, then the RoPE unit");
@@ -525,6 +528,7 @@ struct SplitKvMainloop {
     // K blocks of unit `unit` into `acc`, the first one overwriting it; one commit group.
     auto issue_unit = [&](int unit, auto& acc) {
       probe_timed(unit_waits, [&] { Barrier::wait(&smem.unit_full[stage][unit], phase); });
+      if (unit == kVHalfUnits * 2 - 1) units_landed = probe_clock();
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       const int k_blocks = unit == kRopeUnit ? Traits::kE4m3RopeKBlocks : Traits::kE4m3KBlocksPerUnit;
@@ -709,6 +713,11 @@ struct SplitKvMainloop {
     probe_put(p, probe_piece_slot(phases.pieces, kProbeSeq), piece.seq);
     probe_put(p, probe_piece_slot(phases.pieces, kProbeSplit), piece.split);
     widen_q(p, smem, kWarpgroup);
+    // probe.h builds: this piece's pairs are timed if it is the CTA's first with the timeline's window of pairs.
+    const bool timed = kProbeBuild && phases.pair_timeline_pending &&
+                       num_pages >= 2 * (kProbeFirstPair + kProbePairs);
+    // (the pair's event stamps: probe.h ProbePairEvent)
+    auto stamp = [&](int page, int event, long long when) { probe_pair(p, timed, page / 2, event, when); };
 
     // An unsplit piece's out goes through this warpgroup's V half of the buffer of the piece's last page, which it
     // read last (epilogue.h): the refills of that buffer by this warpgroup for the next piece (that half, and the
@@ -725,14 +734,17 @@ struct SplitKvMainloop {
       // reads are not on the refills' path.
       const PageBlock next_a = range.next_block(piece, page, 0, after_piece[0]);
       const PageBlock next_b = range.next_block(piece, page + 1, 1, after_piece[1]);
+      stamp(page, kProbePairStart, probe_clock());
 
       if constexpr (kRole == WarpgroupRole::kPageA) {
         // ---- S_a = Q K_a^T, softmax, post P_a --------------------------------------------------------------
         Tensor tSrS = partition_fragment_C(mma_s, Shape<BlockM, BlockN>{});                   // (MMA, 1, 1)
         int exponent_a = 0;
         compute_s(smem, 0, phases.page[0], kWarpgroup, piece.end - key0, tSrQ, tSrK, tSrS, phases.waits.units,
-                  &exponent_a);
+                  phases.units_landed, &exponent_a);
         if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
+        stamp(page, kProbeUnitsLanded, phases.units_landed);
+        stamp(page, kProbeSDone, probe_clock());
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
         if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
@@ -761,9 +773,11 @@ struct SplitKvMainloop {
           exponentiate(S, m_a, scale_log2, rowsum_a);
         }
         to_operand(tSrS, tOrPa);
+        stamp(page, kProbeProbsReady, probe_clock());
         post_probs(smem, tOrPa);
         smem.stats[wg_thread] = make_float4(m_a[0], m_a[1], rowsum_a[0], rowsum_a[1]);
         Barrier::arrive(&smem.probs_posted[kPageAPosted]);
+        stamp(page, kProbePosted, probe_clock());
 
         // ---- O_L = O_L e^(m - m_a) + P_a V_a ----------------------------------------------------------------
         scale_rows(O, scale);
@@ -776,6 +790,7 @@ struct SplitKvMainloop {
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         probe_timed(phases.waits.mailbox, [&] { Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox); });
+        stamp(page, kProbeTaken, probe_clock());
         const float4 from_b = smem.stats[wg_thread];
         const float m_b[kRowsPerThread] = {from_b.x, from_b.y};
         if (has_b) {
@@ -796,6 +811,7 @@ struct SplitKvMainloop {
             probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][0], phases.page[1]); });
           }
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
+          stamp(page, kProbePvIssued, probe_clock());
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
@@ -805,6 +821,7 @@ struct SplitKvMainloop {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
         }
+        stamp(page, kProbePairEnd, probe_clock());
         stats.max[0] = m_b[0];
         stats.max[1] = m_b[1];
         stats.sum[0] = from_b.z;
@@ -819,8 +836,10 @@ struct SplitKvMainloop {
         int exponent_b = kNoFrame;
         if (has_b) {
           compute_s(smem, 1, phases.page[1], kWarpgroup, piece.end - key0 - kBlockN, tSrQ, tSrK, tSrS,
-                    phases.waits.units, &exponent_b);
+                    phases.waits.units, phases.units_landed, &exponent_b);
           if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
+          stamp(page, kProbeUnitsLanded, phases.units_landed);
+          stamp(page, kProbeSDone, probe_clock());
           if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
@@ -829,10 +848,12 @@ struct SplitKvMainloop {
           for (int r = 0; r < kRowsPerThread; ++r) ref_b[r] = lazy_reference(stats.max[r], page_max[r], scale_log2);
           exponentiate(S, ref_b, scale_log2, rowsum_b);
           to_operand(tSrS, tOrPb);
+          stamp(page, kProbeProbsReady, probe_clock());
         }
 
         // ---- take P_a, m_a, rowsum_a; the pair's reference m_b = max(m_a, m_b'); post P_b, m_b, l ----------
         probe_timed(phases.waits.mailbox, [&] { Barrier::wait(&smem.probs_posted[kPageAPosted], phases.mailbox); });
+        stamp(page, kProbeTaken, probe_clock());
         const float4 from_a = smem.stats[wg_thread];
         take_probs(smem, tOrPa);
         const float m_a[kRowsPerThread] = {from_a.x, from_a.y};
@@ -868,6 +889,7 @@ struct SplitKvMainloop {
         }
         smem.stats[wg_thread] = make_float4(m_b[0], m_b[1], stats.sum[0], stats.sum[1]);
         Barrier::arrive(&smem.probs_posted[kPageBPosted]);
+        stamp(page, kProbePosted, probe_clock());
         if (page + 2 >= num_pages) {
           // Both S of the piece's last pair are done (S_a before kPageAProbsReady): Q can take the next piece's
           // tile. Issued after P_b is posted, off kPageA's path.
@@ -890,6 +912,7 @@ struct SplitKvMainloop {
             probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][1], phases.page[1]); });
           }
           issue_pv(tOrPb, tOrVb, tOrO);
+          stamp(page, kProbePvIssued, probe_clock());
           if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
@@ -899,12 +922,14 @@ struct SplitKvMainloop {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
         }
+        stamp(page, kProbePairEnd, probe_clock());
       }
       phases.page[0] ^= 1;
       if (has_b) phases.page[1] ^= 1;
       phases.mailbox ^= 1;
     }
     phases.q ^= 1;
+    if (timed) phases.pair_timeline_pending = false;
 
     if constexpr (Traits::kSparse) {    // O's true value (a piece with no page has O = 0 and no frame)
       if (frame != kNoFrame) scale_all(O, pow2(frame));

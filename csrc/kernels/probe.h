@@ -39,8 +39,27 @@ enum ProbePieceSlot : int {
 };
 constexpr int kProbeSlotsPerPiece = 8;
 constexpr int kProbeMaxPieces = 7;
-constexpr int kProbeSlots = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces;    // 64
-static_assert(kProbeSlots == 64, "benchmarks/probe_timeline.py reads 64 slots a warpgroup");
+// The pair timeline: clock64 (cycles of the SM's clock, the same counter for both warpgroups) at the pair loop's
+// events of pairs [kProbeFirstPair, + kProbePairs) of the CTA's first piece that has that many, at slot
+// kProbeFirstPairSlot + kProbePairEvents * (pair - kProbeFirstPair) + event. Events are named by what has just
+// happened; each warpgroup's run through them is in mainloop.h's schedule order.
+enum ProbePairEvent : int {
+  kProbePairStart = 0,      // the pair's top
+  kProbeUnitsLanded = 1,    // S's wait for its page's last unit returned (dense kernels)
+  kProbeSDone = 2,          // S complete
+  kProbeProbsReady = 3,     // this warpgroup's page's P exponentiated (kPageB: against its own reference)
+  kProbeTaken = 4,          // the other warpgroup's post taken (kPageA: P_b; kPageB: P_a)
+  kProbePosted = 5,         // this warpgroup's post (kPageA: P_a; kPageB: P_b and l)
+  kProbePvIssued = 6,       // kPageA: P_b V_b issued; kPageB: both its P V issued
+  kProbePairEnd = 7,        // the last P V complete and the refills issued
+};
+constexpr int kProbePairEvents = 8;
+constexpr int kProbeFirstPair = 4;
+constexpr int kProbePairs = 6;
+constexpr int kProbeFirstPairSlot = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces;    // 64
+constexpr int kProbeSlots = 128;
+static_assert(kProbeFirstPairSlot + kProbePairEvents * kProbePairs <= kProbeSlots, "the pair timeline fits");
+static_assert(kProbeSlots == 128, "benchmarks/probe_timeline.py reads 128 slots a warpgroup");
 
 __device__ __forceinline__ void probe_put(const DecodeParams& p, int slot, unsigned long long value) {
   if constexpr (kProbeBuild) {
@@ -80,6 +99,22 @@ __device__ __forceinline__ void probe_timed(unsigned long long& total, Wait&& wa
     total += static_cast<unsigned long long>(clock64() - start);
   } else {
     wait();
+  }
+}
+
+__device__ __forceinline__ long long probe_clock() {
+  if constexpr (kProbeBuild) return clock64();
+  return 0;
+}
+
+// Event `event` (ProbePairEvent) of pair `pair` of the timed piece at cycle `when` (probe_clock()); only where
+// `timed` (the CTA's timed piece) and the pair is in the window.
+__device__ __forceinline__ void probe_pair(const DecodeParams& p, bool timed, int pair, int event,
+                                           long long when) {
+  if constexpr (kProbeBuild) {
+    if (!timed || pair < kProbeFirstPair || pair >= kProbeFirstPair + kProbePairs) return;
+    probe_put(p, kProbeFirstPairSlot + kProbePairEvents * (pair - kProbeFirstPair) + event,
+              static_cast<unsigned long long>(when));
   }
 }
 
