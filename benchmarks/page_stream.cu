@@ -7,6 +7,13 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a benchmarks/page_stream.cu -o /tmp/page_stream
 //   /tmp/page_stream            # one row per config: median of 9 runs, GB/s, first page's landing time
 //
+// A second table times single refills (refill_latency): a CTA issues `boxes` 8 KiB boxes of one page at once (1: a
+// unit, 4: a V half, 9: a page) and waits for them, one refill at a time, clock64 cycles from the first issue to
+// the barrier's completion; pages fresh from DRAM or from a 64-page window already in L2 (the split kernel's
+// several row tiles read each page from L2 after the first), one CTA alone or one per SM at once. The split
+// kernel's release-to-landing time (~2,600-2,900 cycles in its pair timeline, docs/PERF.md) against these says how
+// much of it is the copy itself and how much the load around it.
+//
 // Patterns:
 //   box9     nine 64-column x 64-row TMA boxes a page, 128-byte swizzle (what the split kernel issues)
 //   bulk9    nine contiguous 8 KiB bulk copies a page (cp.async.bulk: no tensor map, no swizzle)
@@ -127,6 +134,38 @@ __global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CU
   }
 }
 
+// Cycles from issuing `boxes` boxes of a page (segments 0..boxes-1) to their landing, `reps` refills one after
+// another per CTA (each issued once the previous one landed), pages page_list[cta * reps + r]:
+// cycles[cta * reps + r].
+__global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ CUtensorMap tmap,
+                                                        const int* page_list, int boxes, int reps,
+                                                        long long* cycles) {
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ alignas(8) uint64_t full;
+  if (threadIdx.x != 0) return;
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full));
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  uint32_t parity = 0;
+  for (int r = 0; r < reps; ++r) {
+    const int page = page_list[int64_t(blockIdx.x) * reps + r];
+    const long long start = clock64();
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(boxes * kSegBytes)
+                 : "memory");
+    for (int s = 0; s < boxes; ++s) {
+      const int c0 = s * kSegCols, c1 = 0, c2 = 0, c3 = page;
+      asm volatile(
+          "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+          " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst + s * kSegBytes), "l"(&tmap), "r"(bar), "r"(c0), "r"(c1),
+          "r"(c2), "r"(c3) : "memory");
+    }
+    wait_parity(bar, parity);
+    parity ^= 1;
+    cycles[int64_t(blockIdx.x) * reps + r] = clock64() - start;
+  }
+}
+
 using Encode = decltype(&cuTensorMapEncodeTiled);
 
 static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion promotion) {
@@ -224,6 +263,41 @@ int main() {
                 row.pattern == kBox9 ? promo_names[row.promo] : "-", row.ef, row.depth, row.pairs, row.pages, row.hold,
                 us, gbs,
                 first_p50[first_p50.size() / 2]);
+  }
+
+  // Single refills: cycles from issue to landing.
+  constexpr int kReps = 32, kWindow = 64;
+  std::printf("\n# single refills (refill_latency): clock64 cycles from the first box's issue to the landing, "
+              "%d refills a CTA one after another; median / p90 over all refills\n", kReps);
+  std::printf("%-6s %-8s %5s %10s %10s\n", "source", "ctas", "boxes", "p50", "p90");
+  long long* d_cycles;
+  CHECK(cudaMalloc(&d_cycles, size_t(sms) * kReps * sizeof(long long)));
+  CHECK(cudaFuncSetAttribute(refill_latency, cudaFuncAttributeMaxDynamicSharedMemorySize, kPageBytes));
+  std::vector<int> l2_list(size_t(sms) * kReps);
+  for (size_t i = 0; i < l2_list.size(); ++i) l2_list[i] = perm[(i * 7) % kWindow];    // 64 pages, shared by all
+  int* d_l2_list;
+  CHECK(cudaMalloc(&d_l2_list, l2_list.size() * sizeof(int)));
+  CHECK(cudaMemcpy(d_l2_list, l2_list.data(), l2_list.size() * sizeof(int), cudaMemcpyHostToDevice));
+  for (int l2 : {0, 1}) {
+    for (int ctas : {1, sms}) {
+      for (int boxes : {1, 4, 9}) {
+        const int* list = d_l2_list;
+        if (l2) {    // warm the window into L2 first
+          refill_latency<<<sms, 32, kPageBytes>>>(maps[0], d_l2_list, kSegments, kReps, d_cycles);
+        } else {
+          list = d_perm + window;
+          window = (window + sms * kReps) % num_pages;
+        }
+        refill_latency<<<ctas, 32, kPageBytes>>>(maps[0], list, boxes, kReps, d_cycles);
+        CHECK(cudaGetLastError());
+        CHECK(cudaDeviceSynchronize());
+        std::vector<long long> c(size_t(ctas) * kReps);
+        CHECK(cudaMemcpy(c.data(), d_cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+        std::sort(c.begin(), c.end());
+        std::printf("%-6s %-8d %5d %10lld %10lld\n", l2 ? "L2" : "DRAM", ctas, boxes, c[c.size() / 2],
+                    c[c.size() * 9 / 10]);
+      }
+    }
   }
   return 0;
 }
