@@ -61,11 +61,11 @@
 // FP8 cache (Traits::kFp8Cache): a page is copied as bytes in 4.5 units of 128 columns (splitkv_traits.h), each
 // with TMA's 128-byte swizzle into the first half of the 16 KiB its two fp16 segments occupy, 128 bytes per row.
 // With a 16-bit q, the warpgroup that computes S on the page widens each unit just before its WGMMAs
-// (widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a bf16 q is
-// rounded to fp16 once per piece (widen_q). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3 tensor
-// cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two real K
-// blocks only), one commit group per unit, and only the four V units are widened, by a third warpgroup (kWiden,
-// widen_pages), so that the computing warpgroups' path holds no widening at all:
+// (fp8_widening.h widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a
+// bf16 q is rounded to fp16 once per piece (widen_q_bf16). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3
+// tensor cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two
+// real K blocks only), one commit group per unit, and only the four V units are widened, by a third warpgroup
+// (kWiden, fp8_widening.h widen_pages), so that the computing warpgroups' path holds no widening at all:
 //
 //   S warpgroup of the page (compute_s_e4m3)          kWiden (40 registers)
 //   ---------------------------------------------     ---------------------------------------------------------
@@ -103,6 +103,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "epilogue.h"
+#include "fp8_widening.h"
 #include "named_barriers.h"
 #include "params.h"
 #include "probe.h"
@@ -133,6 +134,7 @@ struct SplitKvMainloop {
   using Epilogue = SplitKvEpilogue<Traits>;
   using Range = PieceRange<Traits::kSparse>;
   using Gather = SparseGather<Traits>;
+  using Widening = Fp8Widening<Traits>;
   using BlockM = typename Traits::BlockM;
   using BlockN = typename Traits::BlockN;
   using ColsPerWg = typename Traits::ColsPerWg;
@@ -218,75 +220,8 @@ struct SplitKvMainloop {
     }
   }
 
-  // ================================ FP8 cache: widening in shared memory =====================================
-
-  // Widens unit `unit` of page buffer `tile` in place: its 64 e4m3 rows (128 bytes each, swizzled, at the start
-  // of the unit's first segment) become the fp16 rows of its segments.
-  // Lane group t / 8 of the warpgroup owns rows t / 8 + 16 pass and lane t % 8 its 16-byte chunk i
-  // (columns 16 i .. 16 i + 15 of the unit), which widens to chunks 2 (i % 4) and 2 (i % 4) + 1 of segment i / 4.
-  // Rows at or past `valid_rows` (the slots past a piece's end, maybe NaN) become zeros: P = 0 times NaN would
-  // be NaN in O += P V. Every row is widened as it is, and only a partial page stores zeros over its tail rows
-  // afterwards (a per-row test among the conversions cost each chunk a branch; zeroing the loaded bytes, a select
-  // per loaded register). Passes are loaded two at a time before they are stored (the loads overlap). A row's
-  // writes overwrite only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no
-  // other thread is involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes
-  // 4..7 store their second chunk first, so that a row's eight first stores hit eight different bank groups;
-  // they load their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first
-  // widened chunk is always the one stored first, with no per-lane select of registers. The caller fences the
-  // writes into the async proxy and synchronises the readers.
-  __device__ static void widen_unit(Element* tile, int unit, int valid_rows) {
-    static_assert(Traits::kFp8Cache, "only an fp8 unit is widened");
-    constexpr int kPasses = kBlockN / 16;                           // 16 rows a pass (eight lanes a row)
-    const int t = threadIdx.x % kWgThreads, i = t % 8, row0 = t / 8;
-    const bool valid = i / 4 < Traits::unit_segments(unit);        // the RoPE unit's chunks 4..7 are padding
-    char* tile_bytes = reinterpret_cast<char*>(tile);
-    // The raw rows carry TMA's 128-byte swizzle (chunk i of row r at chunk i ^ (r % 8)): 16 rows further on is
-    // the same permutation.
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + (i ^ (row0 % 8)) * 16;
-    const int seg = Traits::first_segment(unit) + i / 4;
-    const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
-    // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.
-    char* dst_first = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + first);
-    char* dst_second = tile_bytes + Traits::swizzled_chunk_offset(seg, row0, 2 * (i % 4) + 1 - first);
-    const char* src_first = src + 8 * first;
-    const int second_offset = 8 - 16 * first;
-    // Two passes are loaded at a time (their loads overlap). Four at once spilled 12 bytes when the e4m3 kernel's S
-    // warpgroups widened, and measured the same as two in its widening warpgroup (given 56 registers).
-    constexpr int kPassesAtOnce = 2;
-    CUTE_UNROLL
-    for (int pass0 = 0; pass0 < kPasses; pass0 += kPassesAtOnce) {
-      uint4 bytes[kPassesAtOnce];                                  // the half stored first, then the other
-      CUTE_UNROLL
-      for (int k = 0; k < kPassesAtOnce; ++k) {
-        const int pass = pass0 + k;
-        bytes[k] = load_halves(src_first + pass * 16 * 128, src_first + second_offset + pass * 16 * 128);
-      }
-      __syncwarp();
-      if (valid) {
-        CUTE_UNROLL
-        for (int k = 0; k < kPassesAtOnce; ++k) {
-          const int pass = pass0 + k;
-          uint4 chunk_first, chunk_second;
-          widen_e4m3x16(bytes[k], chunk_first, chunk_second);
-          *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = chunk_first;
-          *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = chunk_second;
-        }
-      }
-    }
-    if (valid && valid_rows < kBlockN) {               // a piece's partial last page: its tail rows become zeros
-      CUTE_UNROLL
-      for (int pass = 0; pass < kPasses; ++pass) {
-        if (row0 + 16 * pass >= valid_rows) {
-          *reinterpret_cast<uint4*>(dst_first + pass * 16 * 128) = make_uint4(0, 0, 0, 0);
-          *reinterpret_cast<uint4*>(dst_second + pass * 16 * 128) = make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-  }
-
-  // The Q tile after q_full, FP8 cache: a bf16 q is rounded to fp16 chunk by chunk (each thread rewrites the
-  // chunks it read); then both warpgroups wait for each other. Every row's bytes are in place (rows past
-  // rows_per_kv are zeros). Nothing to do for an fp16 q, nor for an e4m3 one (kE4m3Scores: S reads its bytes).
+  // The Q tile after q_full: a bf16 q for the FP8 cache's fp16 math is rounded to fp16 (fp8_widening.h); nothing to
+  // do for an fp16 q, nor for an e4m3 one (kE4m3Scores: S reads its bytes).
   // Sparse cache: Q's latent columns are rounded to fp16 (sparse_gather.h, dequantisation), its RoPE ones stay bf16.
   __device__ static void widen_q(const DecodeParams& p, SharedStorage& smem, int warpgroup) {
     if constexpr (Traits::kSparse) {
@@ -295,16 +230,7 @@ struct SplitKvMainloop {
       asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)),
                    "r"(Traits::kMathThreads) : "memory");
     }
-    if constexpr (Traits::kFp8Cache && !Traits::kE4m3Scores) {
-      if (p.q_format != kQBf16) return;
-      constexpr int kChunks = Traits::kBlockM * kHeadDimQK / 8;
-      uint4* chunks = reinterpret_cast<uint4*>(smem.q.data());
-      for (int c = threadIdx.x; c < kChunks; c += Traits::kMathThreads) chunks[c] = bf16x8_to_f16x8(chunks[c]);
-      cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
-      // Both warpgroups; the non-.aligned form, since warps may arrive here unconverged (synccheck).
-      asm volatile("barrier.sync %0, %1;\n" ::"r"(static_cast<uint32_t>(CtaBarrier::kQWidened)),
-                   "r"(Traits::kMathThreads) : "memory");
-    }
+    if constexpr (Traits::kFp8Cache && !Traits::kE4m3Scores) Widening::widen_q_bf16(p, smem);
   }
 
   // V rows at or past the piece's end, in this warpgroup's four V segments of buffer `stage`, become zero.
@@ -420,7 +346,7 @@ struct SplitKvMainloop {
         probe_timed(unit_waits, [&] { Barrier::wait(&smem.unit_full[stage][unit], phase); });
         if (i == kUnits - 1) units_landed = probe_clock();
         if constexpr (Traits::kFp8Cache) {
-          widen_unit(smem.k[stage].data(), unit, valid_rows);
+          Widening::widen_unit(smem.k[stage].data(), unit, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
           __syncwarp();                                 // bar.sync is .aligned: reconverge the padding lanes first
           warpgroup_sync(WarpgroupBarrier::kUnitWidened, warpgroup);
@@ -559,36 +485,6 @@ struct SplitKvMainloop {
     }
     add_unit();
     Barrier::arrive(&smem.v_unit_read[stage][3]);
-  }
-
-  // kE4m3Scores, the widening warpgroup (kWiden): walks the pages of the CTA's pieces in the computing warpgroups'
-  // order (page k of a piece in buffer k % 2) and widens each V unit in place as soon as S has read it, announcing
-  // each V half (v_half_widened) to the P V that reads it. Rows past a piece's end become zeros.
-  __device__ static void widen_pages(SharedStorage& smem, const Range& range) {
-    uint32_t phase_0 = 0, phase_1 = 0;    // pages taken by each buffer so far, mod 2 (scalars: no local memory)
-    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
-      const Piece piece = range.piece(seq);
-      const int num_pages = piece.num_pages();
-#pragma unroll 1
-      for (int page = 0; page < num_pages; ++page) {
-        const int stage = page % 2;
-        const uint32_t phase = stage == 0 ? phase_0 : phase_1;
-        const int valid_rows = piece.end - (piece.begin + page * kBlockN);
-        Element* tile = smem.k[stage].data();
-#pragma unroll 1
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll 1
-          for (int u = kVHalfUnits * half; u < kVHalfUnits * (half + 1); ++u) {
-            Barrier::wait(&smem.v_unit_read[stage][u], phase);
-            widen_unit(tile, u, valid_rows);
-          }
-          cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the P V WGMMAs read them
-          Barrier::arrive(&smem.v_half_widened[stage][half]);
-        }
-        if (stage == 0) phase_0 ^= 1;
-        else phase_1 ^= 1;
-      }
-    }
   }
 
   // O += P V over this warpgroup's 256 columns; issued, not waited for.

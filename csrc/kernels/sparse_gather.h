@@ -278,7 +278,7 @@ struct SparseGather {
   }
 
   // Dequantises latent unit `unit` of `tile` (after its V half's mbarrier) into the fp16 rows of its two segments.
-  // The mapping is the FP8 cache's widen_unit (mainloop.h): lane group t / 8 owns rows t / 8 + 16 pass, lane t % 8
+  // The mapping is the FP8 cache's widen_unit (fp8_widening.h): lane group t / 8 owns rows t / 8 + 16 pass, lane t % 8
   // its 16-byte chunk i of the unit's 128 raw bytes of the row, which becomes chunks 2 (i % 4), 2 (i % 4) + 1 of
   // segment 2 u + i / 4.
   // - The half's first unit reads the first 128 bytes of each raw row and writes segments that hold no raw row; a

@@ -2,12 +2,13 @@
 // memory, barrier set-up and the warpgroup dispatch. The parts live in
 //   tile_scheduler.h  which pieces (and pages) a CTA owns
 //   mainloop.h        page copies, barriers and the two warpgroups' schedule (drawn at its top)
+//   fp8_widening.h    the FP8 cache's e4m3 -> fp16 widening in shared memory
 //   softmax.h         masking and the online softmax
 //   epilogue.h        normalisation and the writes (out/lse, or fp32 partials for the combine kernel)
 //
 // Grid: (query-row tile, KV head, SM part); 256 threads = two computing warpgroups (384 with a third: sparse
 // decoding's gathers and dequantises the pages, sparse_gather.h; the FP8 cache with an e4m3 q's widens V,
-// mainloop.h); one CTA per SM (227 KiB of shared memory: the Q tile, two K
+// fp8_widening.h); one CTA per SM (227 KiB of shared memory: the Q tile, two K
 // pages and the warpgroups' mailbox).
 #pragma once
 
@@ -17,6 +18,7 @@
 #include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "fp8_widening.h"
 #include "kv_cache_tma.h"
 #include "launch.h"
 #include "mainloop.h"
@@ -109,7 +111,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1) mla_splitkv_kernel(const 
   if constexpr (Traits::kE4m3Scores) {
     if (warpgroup == static_cast<int>(WarpgroupRole::kWiden)) {
       cutlass::arch::warpgroup_reg_dealloc<Traits::kHelperRegisters>();
-      Mainloop::widen_pages(smem, range);
+      Fp8Widening<Traits>::widen_pages(smem, range);
       probe_time(params, kProbeExit);
       return;
     }
