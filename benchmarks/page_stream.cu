@@ -59,13 +59,15 @@ __device__ void wait_parity(uint32_t bar, uint32_t parity) {
       " @!p bra LAB_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-// One page (cache page `page`) into buffer `dst`, completing on mbarrier `bar`.
+// Segments [0, segments) of one page (cache page `page`; the whole page by default) into buffer `dst`, completing
+// on mbarrier `bar`.
 __device__ void issue_page(const CUtensorMap* tmap, const char* cache, int pattern, bool evict_first, uint32_t dst,
-                           uint32_t bar, int page) {
+                           uint32_t bar, int page, int segments = kSegments) {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kPageBytes) : "memory");
-  for (int s = 0; s < kSegments; ++s) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(segments * kSegBytes)
+               : "memory");
+  for (int s = 0; s < segments; ++s) {
     const uint32_t d = dst + s * kSegBytes;
     if (pattern == kBox9) {
       const int c0 = s * kSegCols, c1 = 0, c2 = 0, c3 = page;
@@ -151,15 +153,7 @@ __global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ 
   for (int r = 0; r < reps; ++r) {
     const int page = page_list[int64_t(blockIdx.x) * reps + r];
     const long long start = clock64();
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(boxes * kSegBytes)
-                 : "memory");
-    for (int s = 0; s < boxes; ++s) {
-      const int c0 = s * kSegCols, c1 = 0, c2 = 0, c3 = page;
-      asm volatile(
-          "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
-          " [%0], [%1, {%3, %4, %5, %6}], [%2];" ::"r"(dst + s * kSegBytes), "l"(&tmap), "r"(bar), "r"(c0), "r"(c1),
-          "r"(c2), "r"(c3) : "memory");
-    }
+    issue_page(&tmap, nullptr, kBox9, /*evict_first=*/false, dst, bar, page, boxes);
     wait_parity(bar, parity);
     parity ^= 1;
     cycles[int64_t(blockIdx.x) * reps + r] = clock64() - start;

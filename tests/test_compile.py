@@ -34,12 +34,16 @@ def cutlass_include() -> str:
     return str(Path(cutlass_library.__file__).parent / "source" / "include")
 
 
+def cuda_include_cccl() -> str:
+    # CUDA 13 keeps libcu++ (which CUTLASS includes) under include/cccl
+    return str(Path(NVCC).resolve().parents[1] / "include" / "cccl")
+
+
 def _flags():
-    cuda_include_cccl = str(Path(NVCC).resolve().parents[1] / "include" / "cccl")
     # -DCUTLASS_ENABLE_GDC_FOR_SM90 as in setup.py: without it the split kernel's PDL trigger compiles to nothing.
     return ["-std=c++17", "-O3", "-DNDEBUG", "--use_fast_math", "--expt-relaxed-constexpr",
             "-DCUTLASS_ENABLE_GDC_FOR_SM90",
-            f"-I{cutlass_include()}", f"-I{ROOT / 'csrc' / 'kernels'}", f"-I{cuda_include_cccl}"]
+            f"-I{cutlass_include()}", f"-I{ROOT / 'csrc' / 'kernels'}", f"-I{cuda_include_cccl()}"]
 
 
 def compile_kernel(cu: Path, out_dir: Path):
@@ -102,8 +106,7 @@ def test_benchmark_programs_compile(program, tmp_path):
     sm_90a with the command their headers give (those that include CuTe with its include paths), so that a lent
     GPU's time is not spent on a build error."""
     cute = "#include <cute/" in program.read_text()
-    extra = (["--expt-relaxed-constexpr", f"-I{cutlass_include()}",
-              f"-I{Path(NVCC).resolve().parents[1] / 'include' / 'cccl'}"] if cute else [])
+    extra = ["--expt-relaxed-constexpr", f"-I{cutlass_include()}", f"-I{cuda_include_cccl()}"] if cute else []
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", *extra, "-gencode", "arch=compute_90a,code=sm_90a", "-c",
                            str(program), "-o", str(tmp_path / (program.stem + ".o"))], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
