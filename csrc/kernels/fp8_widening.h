@@ -1,9 +1,11 @@
 // FP8 cache: e4m3 pages, and the Q tile of a bf16 q, widened to fp16 in shared memory for the split kernel's 16-bit
 // WGMMAs (e4m3 -> fp16 is exact: cvt.rn.f16x2.e4m3x2). Who widens what, and when, is drawn in mainloop.h ("FP8
 // cache"): with a 16-bit q the warpgroup that computes S on a page widens each unit just before its WGMMAs; with an
-// e4m3 q (Traits::kE4m3Scores) S reads the bytes and a third warpgroup (kWiden) widens only V, in place, after S.
+// e4m3 q (Traits::kE4m3Scores) S reads the bytes and only V is widened, in place, after S: three of a pair's four V
+// halves by a third warpgroup (kWiden), page b's left half by kPageA.
 //   widen_unit     one copy unit of a page buffer, in place (both kernels)
 //   widen_q_bf16   a bf16 Q tile rounded to fp16, once per piece (16-bit-q kernel)
+//   widen_v_half   one V half of a page buffer, each unit once S has read it (e4m3-scores kernel)
 //   widen_pages    the widening warpgroup's walk over the CTA's pages (e4m3-scores kernel)
 #pragma once
 
@@ -108,9 +110,24 @@ struct Fp8Widening {
                  "r"(Traits::kMathThreads) : "memory");
   }
 
+  // kE4m3Scores: V half `half` of buffer `stage`, unit by unit as soon as S has read it (v_unit_read), in place; the
+  // caller fences the writes into the async proxy and tells the P V that reads them.
+  __device__ static void widen_v_half(SharedStorage& smem, int stage, int half, uint32_t phase, int valid_rows) {
+#pragma unroll 1
+    for (int u = kVHalfUnits * half; u < kVHalfUnits * (half + 1); ++u) {
+      Barrier::wait(&smem.v_unit_read[stage][u], phase);
+      widen_unit(smem.k[stage].data(), u, valid_rows);
+    }
+  }
+
+  // kE4m3Scores: who widens each V half. Page b's left half is read only by kPageA's P_b V_b, and kPageA waits for
+  // P_b anyway (~350 cycles a page): it widens that half itself in the wait (mainloop.h), which took it off kWiden's
+  // path to kPageB's P V (FP8 compute-bound rows +2.5 %, docs/PERF.md). kWiden widens the other three.
+  static constexpr bool widened_by_page_a(int stage, int half) { return stage == 1 && half == 0; }
+
   // kE4m3Scores, the widening warpgroup (kWiden): walks the pages of the CTA's pieces in the computing warpgroups'
-  // order (page k of a piece in buffer k % 2) and widens each V unit in place as soon as S has read it, announcing
-  // each V half (v_half_widened) to the P V that reads it. Rows past a piece's end become zeros.
+  // order (page k of a piece in buffer k % 2) and widens its V halves in place as soon as S has read them,
+  // announcing each (v_half_widened) to the P V that reads it. Rows past a piece's end become zeros.
   __device__ static void widen_pages(SharedStorage& smem, const Range& range) {
     uint32_t phase_0 = 0, phase_1 = 0;    // pages taken by each buffer so far, mod 2 (scalars: no local memory)
     for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
@@ -121,14 +138,10 @@ struct Fp8Widening {
         const int stage = page % 2;
         const uint32_t phase = stage == 0 ? phase_0 : phase_1;
         const int valid_rows = piece.end - (piece.begin + page * kBlockN);
-        Element* tile = smem.k[stage].data();
 #pragma unroll 1
         for (int half = 0; half < 2; ++half) {
-#pragma unroll 1
-          for (int u = kVHalfUnits * half; u < kVHalfUnits * (half + 1); ++u) {
-            Barrier::wait(&smem.v_unit_read[stage][u], phase);
-            widen_unit(tile, u, valid_rows);
-          }
+          if (widened_by_page_a(stage, half)) continue;
+          widen_v_half(smem, stage, half, phase, valid_rows);
           cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the P V WGMMAs read them
           Barrier::arrive(&smem.v_half_widened[stage][half]);
         }

@@ -64,24 +64,27 @@
 // (fp8_widening.h widen_unit: e4m3 -> fp16 is exact), so S, the softmax and P V run exactly as for an fp16 cache; a
 // bf16 q is rounded to fp16 once per piece (widen_q_bf16). With an e4m3 q (Traits::kE4m3Scores), S runs on the e4m3
 // tensor cores straight from Q's and the page's bytes (both K-major with the swizzle, k = 32; the RoPE unit's two
-// real K blocks only), one commit group per unit, and only the four V units are widened, by a third warpgroup
-// (kWiden, fp8_widening.h widen_pages), so that the computing warpgroups' path holds no widening at all:
+// real K blocks only), one commit group per unit, and only the four V units are widened: three of a pair's four V
+// halves by a third warpgroup (kWiden, fp8_widening.h widen_pages), page b's left half (read only by kPageA's
+// P_b V_b) by kPageA in its wait for P_b, so that no widening sits between a page's S and its P V:
 //
 //   S warpgroup of the page (compute_s_e4m3)          kWiden (40 registers)
 //   ---------------------------------------------     ---------------------------------------------------------
 //   S: RoPE unit, unit 0, ..., unit 3 (a commit       for each page of the CTA's pieces, in the pairs' order:
-//   group each); as each V unit's WGMMAs complete,      for each V half: wait v_unit_read of its two units,
-//   arrive v_unit_read[stage][u]                           widen them in place (tail rows zeroed), fence into
-//   softmax, mailbox (as above)                            the async proxy, arrive v_half_widened[stage][half]
-//   wait v_half_widened before each P V on that half
+//   group each); as each V unit's WGMMAs complete,      for each V half but page b's left: wait v_unit_read of its
+//   arrive v_unit_read[stage][u]                           two units, widen them in place (tail rows zeroed),
+//   softmax, mailbox (as above)                            fence into the async proxy, arrive
+//   wait v_half_widened before each P V on that half       v_half_widened[stage][half]
+//   kPageA, after P_a V_a's issue: wait v_unit_read of page b's units 0, 1, widen them, fence, warpgroup barrier
 //
 // Widening in place overwrites bytes S reads, hence v_unit_read; a buffer is refilled only after both P V on it,
-// which follow v_half_widened, so neither barrier can be a phase ahead of its waiter. Against the S warpgroups
-// widening themselves (kPageB page b's four units during S_b, kPageA page a's during S_a and after P_a V_a's issue):
-// FP8 rows +13 % memory-bound, +12 % compute-bound (H200, docs/PERF.md); without any widening (timing only) +28 %.
+// which follow the widening, so neither barrier can be a phase ahead of its waiter (v_half_widened[1][0] is never
+// used). Against the S warpgroups widening themselves (kPageB page b's four units during S_b, kPageA page a's during
+// S_a and after P_a V_a's issue): FP8 rows +13 % memory-bound, +12 % compute-bound (H200, docs/PERF.md); without
+// any widening (timing only) +28 %; page b's left half by kPageA rather than kWiden: compute-bound +2.5 %.
 // The widening writes zeros for the slots past a piece's end (zero_tail_rows' job for a 16-bit cache), so each
-// page buffer is only ever written by TMA and by the one warpgroup that widens it. descale_q * descale_k scale the
-// scores and descale_k the output (SplitKvScales): each scale enters once.
+// V half of a page buffer is only ever written by TMA and by the one warpgroup that widens it. descale_q * descale_k
+// scale the scores and descale_k the output (SplitKvScales): each scale enters once.
 //
 // Sparse FP8 cache (Traits::kSparse, DeepSeek-V3.2; sparse_gather.h): a page is 64 index slots of a row, its
 // tokens gathered into the FP8 cache's unit layout by a third warpgroup (kGather) in the order the pairs take
@@ -683,6 +686,15 @@ struct SplitKvMainloop {
         }
         issue_pv(tOrPa, tOrVa, tOrO);
         if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (Traits::kE4m3Scores) {
+          static_assert(Widening::widened_by_page_a(1, 0), "page b's left V half is kPageA's to widen");
+          if (has_b) {    // page b's left V half, which only P_b V_b reads: widened here, in the wait for P_b
+            Widening::widen_v_half(smem, 1, 0, phases.page[1], piece.end - key0 - kBlockN);
+            cutlass::arch::fence_view_async_shared();    // generic-proxy writes before WGMMA (async proxy) reads
+            __syncwarp();                                 // bar.sync is .aligned: reconverge the tail-row lanes first
+            warpgroup_sync(WarpgroupBarrier::kUnitWidened, kWarpgroup);
+          }
+        }
 
         // ---- take P_b, m_b, l; O_L = O_L e^(m_a - m_b) + P_b V_b ---------------------------------------------
         probe_timed(phases.waits.mailbox, [&] { Barrier::wait(&smem.probs_posted[kPageBPosted], phases.mailbox); });
@@ -703,9 +715,6 @@ struct SplitKvMainloop {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
-          if constexpr (Traits::kE4m3Scores) {
-            probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][0], phases.page[1]); });
-          }
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           stamp(page, kProbePvIssued, probe_clock());
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
