@@ -12,6 +12,12 @@
 //
 // One row per configuration: FLOP per clock per SM (median over CTAs of both warpgroups' work over the longer of
 // their two spans) and its fraction of the dense peak.
+//
+// A second table times a refill while the tensor pipe streams: a ninth warp copies 32 KiB (four 8 KiB bulk copies,
+// a V half of a 16-bit page) from global memory into its own shared-memory buffer, one refill after another, and
+// clock64 times each from issue to its mbarrier's completion, while the two warpgroups run a shape (or nothing).
+// The sources are an L2-resident 4 MiB window, so the row says how much the WGMMAs' shared-memory operand reads slow
+// the copies' writes into shared memory (the split kernel's release-to-landing loop, docs/PERF.md).
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
@@ -134,6 +140,80 @@ __global__ void __launch_bounds__(2 * kWgThreads, 1) rate_kernel(int rounds, lon
   if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
 }
 
+constexpr int kCopyBytes = 32 * 1024, kCopyBoxes = 4, kCopyRefills = 48;
+constexpr int kWindowBytes = 4 << 20;    // L2-resident source window
+
+// Warpgroups 0 and 1 issue shape A / B (kIdle: nothing) for `rounds` batches; warp 8's lane 0 meanwhile refills a
+// 32 KiB buffer kCopyRefills times from `src` (CTA c's refill r at offset ((c * 7 + r) * 32 KiB) mod the window),
+// cycles[c * kCopyRefills + r] = clock64 from the first copy's issue to the barrier's completion.
+template <class A, class B, bool kIdle>
+__global__ void __launch_bounds__(2 * kWgThreads + 32, 1) copy_kernel(int rounds, const char* src, long long* cycles,
+                                                                       float* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ alignas(8) uint64_t full;
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  char* copy_buffer = smem + kBytes;
+  for (int i = threadIdx.x; i < kBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full));
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int warpgroup = threadIdx.x / kWgThreads;
+  float sum = 0.f;
+  if (warpgroup == 2) {
+    if (threadIdx.x % 32 != 0) return;
+    const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(copy_buffer));
+    uint32_t parity = 0;
+#pragma unroll 1
+    for (int r = 0; r < kCopyRefills; ++r) {
+      const char* from = src + (int64_t(blockIdx.x * 7 + r) * kCopyBytes) % kWindowBytes;
+      const long long start = clock64();
+      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kCopyBytes) : "memory");
+      for (int b = 0; b < kCopyBoxes; ++b) {
+        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                     ::"r"(dst + b * (kCopyBytes / kCopyBoxes)), "l"(from + b * (kCopyBytes / kCopyBoxes)),
+                     "r"(kCopyBytes / kCopyBoxes), "r"(bar) : "memory");
+      }
+      asm volatile(
+          "{\n .reg .pred p;\n WAIT:\n"
+          " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+          " @!p bra WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
+      parity ^= 1;
+      cycles[int64_t(blockIdx.x) * kCopyRefills + r] = clock64() - start;
+    }
+    return;
+  }
+  if constexpr (!kIdle) {
+    if (warpgroup == 0) sum = issue<A>(smem, rounds);
+    else sum = issue<B>(smem + A::kSmemBytes, rounds);
+  }
+  if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
+}
+
+template <class A, class B, bool kIdle>
+void report_copy(const char* label, int sms, int rounds, const char* src) {
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kCopyBytes;
+  auto kernel = copy_kernel<A, B, kIdle>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, size_t(sms) * kCopyRefills * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, src, cycles, sink);    // warm-up (and the window into L2)
+  kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, src, cycles, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> host(size_t(sms) * kCopyRefills);
+  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  std::sort(host.begin(), host.end());
+  std::printf("%-58s %8lld %8lld\n", label, host[host.size() / 2], host[host.size() * 9 / 10]);
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+}
+
 template <class T, int N, bool kRegisterA, bool kBMnMajor>
 const char* Shape_<T, N, kRegisterA, kBMnMajor>::name() {
   static char buf[64];
@@ -200,5 +280,21 @@ int main() {
   report<S64, PV256, true>("kernel mix: 36 x SS m64n64k16 + 8 x RS m64n256k16 (MN)", sms, rounds / 8);
   report<R64, PV256, true>("kernel mix, S from registers: 36 x RS m64n64k16 + 8 x PV", sms, rounds / 8);
   report<S128, PV256, true>("mix with S at N = 128: 36 x SS m64n128k16 + 8 x PV", sms, rounds / 8);
+
+  char* window = nullptr;
+  CHECK(cudaMalloc(&window, kWindowBytes));
+  CHECK(cudaMemset(window, 0, kWindowBytes));
+  std::printf("\n# a 32 KiB refill (four 8 KiB bulk copies from an L2-resident window) while both warpgroups stream a "
+              "shape: clock64 cycles issue -> landing, median / p90 over %d refills a CTA\n", kCopyRefills);
+  std::printf("%-58s %8s %8s\n", "warpgroups", "p50", "p90");
+  report_copy<S64, S64, true>("idle", sms, rounds, window);
+  report_copy<S64, S64, false>(both(S64::name()), sms, rounds, window);
+  report_copy<S128, S128, false>(both(S128::name()), sms, rounds, window);
+  report_copy<R64, R64, false>(both(R64::name()), sms, rounds, window);
+  // P V at N = 128 (N = 256 with the copy warp's registers serialises its WGMMAs): the same shared-memory bytes a
+  // tensor cycle as the kernel's N = 256.
+  report_copy<PV128, PV128, false>(both(PV128::name()), sms, rounds, window);
+  report_copy<S64, PV128, false>("one each: bf16 SS m64n64k16 | bf16 RS m64n128k16 (MN)", sms, rounds, window);
+  CHECK(cudaFree(window));
   return 0;
 }
