@@ -6,13 +6,15 @@
 //
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a benchmarks/page_stream.cu -o /tmp/page_stream
 //   /tmp/page_stream            # one row per config: median of 9 runs, GB/s, first page's landing time
+//   /tmp/page_stream --refills  # the single-refill table alone
 //
 // A second table times single refills (refill_latency): a CTA issues `boxes` 8 KiB boxes of one page at once (1: a
 // unit, 4: a V half, 9: a page) and waits for them, one refill at a time, clock64 cycles from the first issue to
 // the barrier's completion; pages fresh from DRAM or from a 64-page window already in L2 (the split kernel's
 // several row tiles read each page from L2 after the first), one CTA alone or one per SM at once. The split
 // kernel's release-to-landing time (~2,600-2,900 cycles in its pair timeline, docs/PERF.md) against these says how
-// much of it is the copy itself and how much the load around it.
+// much of it is the copy itself and how much the load around it. Rows pf3000 / pf6000: DRAM pages prefetched into L2
+// (one cp.async.bulk.prefetch.L2 a page) 3,000 / 6,000 cycles before their refill: whether such a prefetch lands.
 //
 // Patterns:
 //   box9     nine 64-column x 64-row TMA boxes a page, 128-byte swizzle (what the split kernel issues)
@@ -26,6 +28,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <random>
+#include <string>
 #include <vector>
 
 #define CHECK(x)                                                                                   \
@@ -139,9 +142,11 @@ __global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CU
 // Cycles from issuing `boxes` boxes of a page (segments 0..boxes-1) to their landing, `reps` refills one after
 // another per CTA (each issued once the previous one landed), pages page_list[cta * reps + r]:
 // cycles[cta * reps + r].
-__global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ CUtensorMap tmap,
+// prefetch_cycles > 0: each page is first prefetched into L2 by one cp.async.bulk.prefetch.L2 of its 72 KiB, and
+// the timed refill issued that many cycles later.
+__global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ CUtensorMap tmap, const char* cache,
                                                         const int* page_list, int boxes, int reps,
-                                                        long long* cycles) {
+                                                        long long* cycles, int prefetch_cycles = 0) {
   extern __shared__ __align__(1024) char smem[];
   __shared__ alignas(8) uint64_t full;
   if (threadIdx.x != 0) return;
@@ -152,6 +157,12 @@ __global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ 
   uint32_t parity = 0;
   for (int r = 0; r < reps; ++r) {
     const int page = page_list[int64_t(blockIdx.x) * reps + r];
+    if (prefetch_cycles > 0) {
+      asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(cache + int64_t(page) * kPageBytes),
+                   "r"(kPageBytes) : "memory");
+      const long long until = clock64() + prefetch_cycles;
+      while (clock64() < until) {}
+    }
     const long long start = clock64();
     issue_page(&tmap, nullptr, kBox9, /*evict_first=*/false, dst, bar, page, boxes);
     wait_parity(bar, parity);
@@ -178,7 +189,8 @@ static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion 
   return map;
 }
 
-int main() {
+int main(int argc, char** argv) {
+  const bool refills_only = argc > 1 && std::string(argv[1]) == "--refills";    // the second table alone
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
@@ -225,6 +237,7 @@ int main() {
   }
   int window = 0;
   for (const Row& row : rows) {
+    if (refills_only) break;
     const Config cfg{row.pattern, row.depth, row.pages, row.ef, row.hold, row.pairs};
     const int per_run = sms * row.pages;
     std::vector<float> times;
@@ -272,23 +285,27 @@ int main() {
   int* d_l2_list;
   CHECK(cudaMalloc(&d_l2_list, l2_list.size() * sizeof(int)));
   CHECK(cudaMemcpy(d_l2_list, l2_list.data(), l2_list.size() * sizeof(int), cudaMemcpyHostToDevice));
-  for (int l2 : {0, 1}) {
+  // source: 0 DRAM, 1 an L2-resident window, 2 / 3 DRAM pages prefetched 3,000 / 6,000 cycles before the refill
+  const char* source_names[4] = {"DRAM", "L2", "pf3000", "pf6000"};
+  for (int l2 : {0, 1, 2, 3}) {
     for (int ctas : {1, sms}) {
       for (int boxes : {1, 4, 9}) {
+        if (l2 >= 2 && boxes == 1) continue;
         const int* list = d_l2_list;
-        if (l2) {    // warm the window into L2 first
-          refill_latency<<<sms, 32, kPageBytes>>>(maps[0], d_l2_list, kSegments, kReps, d_cycles);
+        if (l2 == 1) {    // warm the window into L2 first
+          refill_latency<<<sms, 32, kPageBytes>>>(maps[0], cache, d_l2_list, kSegments, kReps, d_cycles);
         } else {
           list = d_perm + window;
           window = (window + sms * kReps) % num_pages;
         }
-        refill_latency<<<ctas, 32, kPageBytes>>>(maps[0], list, boxes, kReps, d_cycles);
+        refill_latency<<<ctas, 32, kPageBytes>>>(maps[0], cache, list, boxes, kReps, d_cycles,
+                                                 l2 == 2 ? 3000 : l2 == 3 ? 6000 : 0);
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
         std::vector<long long> c(size_t(ctas) * kReps);
         CHECK(cudaMemcpy(c.data(), d_cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
         std::sort(c.begin(), c.end());
-        std::printf("%-6s %-8d %5d %10lld %10lld\n", l2 ? "L2" : "DRAM", ctas, boxes, c[c.size() / 2],
+        std::printf("%-6s %-8d %5d %10lld %10lld\n", source_names[l2], ctas, boxes, c[c.size() / 2],
                     c[c.size() * 9 / 10]);
       }
     }
