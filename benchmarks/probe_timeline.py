@@ -29,11 +29,14 @@ ENTRY, SM, ROLE_START, EXIT, PIECE_COUNT, FIRST_PIECE, PER_PIECE, MAX_PIECES = 0
 UNIT_WAITS, MAILBOX_WAITS, PV_WAITS = 5, 6, 7          # cycles, summed over the CTA's pieces (values)
 WAITS = (("unit_waits", UNIT_WAITS), ("mailbox_waits", MAILBOX_WAITS), ("pv_waits", PV_WAITS))
 Q_LANDED, FIRST_S, MAINLOOP_END, EPILOGUE_END, PAGES, SEQ, SPLIT = range(7)
-FIRST_PAIR_SLOT, PAIR_EVENTS, TIMED_PAIRS = 64, 8, 6     # kProbeFirstPairSlot, kProbePairEvents, kProbePairs
+FIRST_PAIR_SLOT, PAIR_EVENTS, TIMED_PAIRS = 64, 9, 6     # kProbeFirstPairSlot, kProbePairEvents, kProbePairs
 # ProbePairEvent, in slot order, and each warpgroup's events in the order its schedule reaches them (mainloop.h)
-PAIR_EVENT_NAMES = ("start", "units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end")
-ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "taken", "pv_issued", "end"),
-               "b": ("units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end")}
+PAIR_EVENT_NAMES = ("start", "units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end",
+                    "v_refill_issued")
+ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "taken", "pv_issued", "v_refill_issued",
+                     "end"),
+               "b": ("units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "v_refill_issued",
+                     "end")}
 
 
 def pair_timeline(kept):

@@ -720,6 +720,7 @@ struct SplitKvMainloop {
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
           refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
+          stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
         } else {
@@ -821,6 +822,7 @@ struct SplitKvMainloop {
           if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
+          stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
           refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
         } else {

@@ -52,8 +52,10 @@ enum ProbePairEvent : int {
   kProbePosted = 5,         // this warpgroup's post (kPageA: P_a; kPageB: P_b and l)
   kProbePvIssued = 6,       // kPageA: P_b V_b issued; kPageB: both its P V issued
   kProbePairEnd = 7,        // the last P V complete and the refills issued
+  kProbeVRefillIssued = 8,  // page a's V half refilled (kPageA: V_a[:, 0:256] after P_b V_b's issue; kPageB: V_a[:,
+                            // 256:512] once its P_a V_a is complete), by this thread's share of the copies
 };
-constexpr int kProbePairEvents = 8;
+constexpr int kProbePairEvents = 9;
 constexpr int kProbeFirstPair = 4;
 constexpr int kProbePairs = 6;
 constexpr int kProbeFirstPairSlot = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces;    // 64
