@@ -30,7 +30,6 @@ struct Fp8Widening {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kVHalfUnits = Traits::kUnitsPerVHalf;
-  static constexpr uint32_t kSegmentBytes = Traits::kBlockN * Traits::kSegmentCols * sizeof(Element);    // 8 KiB
 
   // Widens unit `unit` of page buffer `tile` in place: its 64 e4m3 rows (128 bytes each, swizzled, at the start
   // of the unit's first segment) become the fp16 rows of its segments.
@@ -54,7 +53,8 @@ struct Fp8Widening {
     char* tile_bytes = reinterpret_cast<char*>(tile);
     // The raw rows carry TMA's 128-byte swizzle (chunk i of row r at chunk i ^ (r % 8)): 16 rows further on is
     // the same permutation.
-    const char* src = tile_bytes + Traits::first_segment(unit) * int(kSegmentBytes) + row0 * 128 + (i ^ (row0 % 8)) * 16;
+    const char* src = tile_bytes + Traits::first_segment(unit) * int(Traits::kSegmentBytes) + row0 * 128 +
+                      (i ^ (row0 % 8)) * 16;
     const int seg = Traits::first_segment(unit) + i / 4;
     const int first = (i / 4) & 1;                                  // 0: chunk 2 (i % 4) first, 1: the other
     // 16 rows further on is two whole swizzle atoms: the same chunk permutation, a constant offset.

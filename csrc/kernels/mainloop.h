@@ -151,7 +151,7 @@ struct SplitKvMainloop {
   static constexpr int kVHalfUnits = Traits::kUnitsPerVHalf;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSegmentElems = Traits::kBlockN * kSegmentCols;                   // 64 x 64
-  static constexpr uint32_t kSegmentBytes = kSegmentElems * sizeof(Element);            // 8 KiB
+  static constexpr uint32_t kSegmentBytes = Traits::kSegmentBytes;                      // 8 KiB
   // When the RoPE unit is refilled: right after S frees it, or after the warpgroup has issued its P V (off the path
   // to the post). Measured per kernel (docs/PERF.md): after the P V issue for the 16-bit kernels and the fp8 one with
   // a 16-bit q (compute-bound rows +0.5 %); right after S for a sparse page (its cp.async gather has a long latency:

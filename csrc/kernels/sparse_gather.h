@@ -115,7 +115,7 @@ struct SparseGather {
   static constexpr int kBlockN = Traits::kBlockN;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kRopeUnit = Traits::kRopeUnit;
-  static constexpr int kSegmentBytes = kBlockN * 128;                // 8 KiB
+  static constexpr int kSegmentBytes = int(Traits::kSegmentBytes);    // 8 KiB
   static_assert(Traits::kUnitCols == 128 && Traits::kUnits == 5 && kRopeUnit == 4,
                 "4 latent units of 128 e4m3 columns (one scale group each) and the bf16 RoPE unit");
   static_assert(2 * kBlockN == kWgThreads, "two threads per row of a page");

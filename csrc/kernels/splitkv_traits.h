@@ -96,6 +96,7 @@ struct SplitKvTraits {
   static constexpr int kRopeSegment = kSegments - 1;                                   // 8: columns 512..575
   static constexpr int kSegmentsPerVHalf = kColsPerWarpgroup / kSegmentCols;           // 4
   static constexpr int kKBlocksPerSegment = kSegmentCols / 16;                         // 4 WGMMA K steps
+  static constexpr uint32_t kSegmentBytes = kBlockN * kSegmentCols * sizeof(Element);     // 8 KiB: 64 rows of 128 bytes
   static_assert(kHeadDimQK % kSegmentCols == 0 && kHeadDimV % kSegmentCols == 0, "whole segments");
   static_assert(kRopeSegment * kSegmentCols == kHeadDimV, "the last segment is exactly the RoPE part");
   static_assert(kColsPerWarpgroup <= 256, "WGMMA N is at most 256");
@@ -112,7 +113,7 @@ struct SplitKvTraits {
   static constexpr uint32_t kUnitBytes = kBlockN * 128;                                // 8 KiB
   static_assert(kRopeUnit * kUnitCols == kHeadDimV && kRopeUnit * kSegmentsPerUnit == kRopeSegment,
                 "the last unit is exactly the RoPE part, in the RoPE segment's shared memory");
-  static_assert(kUnitBytes == kBlockN * kSegmentCols * sizeof(Element), "a unit fills one segment's bytes");
+  static_assert(kUnitBytes == kSegmentBytes, "a unit fills one segment's bytes");
   // Segments [first_segment(u), + unit_segments(u)) of the page come from unit u.
   static constexpr int first_segment(int unit) { return unit * kSegmentsPerUnit; }
   static constexpr int unit_segments(int unit) {
