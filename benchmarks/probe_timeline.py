@@ -16,7 +16,8 @@ thread 0 spent in the pair loop's waits: *_unit_waits (S waiting for page units 
 waiting for the V halves to be widened), *_mailbox_waits (for the other warpgroup's post), *_pv_waits (for its own
 P V WGMMAs to complete). Last, the pair timeline: for pairs 4..9 of each CTA's first piece with at least 20 pages, the
 clock64 cycle of each event of each warpgroup (probe.h ProbePairEvent) from kPageA's start of the pair, medians over
-those pairs of all CTAs, and the pair's length (kPageA's start to its next start).
+those pairs of all CTAs, and the pair's length (kPageA's start to its next start); with several row tiles a KV head,
+the same per row tile (pages' landings, page a's V refill issue, the pairs' ends).
 """
 import argparse
 import os
@@ -59,6 +60,20 @@ def pair_timeline(kept):
             if j + 1 < TIMED_PAIRS and int(a[base + PAIR_EVENTS]):
                 lengths.append(int(a[base + PAIR_EVENTS]) - start)
     return events, lengths
+
+
+def pair_timeline_by_tile(stamps, tiles):
+    """pair_timeline per row tile: {m_tile: (events, lengths)}. stamps: (ctas, 3, SLOTS) in the linear block index's
+    order, the grid being (row tiles, KV heads, SM parts), so a CTA's row tile is its index mod `tiles`. The row tiles
+    of one KV head read the same pages: whether they share the pages' fetches or all wait on the same misses shows in
+    each tile's landing times."""
+    out = {}
+    for t in range(tiles):
+        kept = [s for s in stamps[t::tiles] if s[0][ENTRY] > 0 and s[0][EXIT] > 0]
+        events, lengths = pair_timeline(kept)
+        if lengths:
+            out[t] = (events, lengths)
+    return out
 
 
 def pct(xs, q):
@@ -159,6 +174,12 @@ def main():
         for role in ("a", "b"):
             print(f"  kPage{role.upper()}: " + ", ".join(
                 f"{name} {pct(events[(role, name)], .5):.0f}" for name in ROLE_EVENTS[role] if events[(role, name)]))
+    if tiles > 1:
+        for t, (events, lengths) in pair_timeline_by_tile(stamps, tiles).items():
+            print(f"row tile {t} ({len(lengths)} pairs): pair length {pct(lengths, .5):.0f}; " + "; ".join(
+                f"kPage{role.upper()} units_landed {pct(events[(role, 'units_landed')], .5):.0f} v_refill_issued "
+                f"{pct(events[(role, 'v_refill_issued')], .5):.0f} end {pct(events[(role, 'end')], .5):.0f}"
+                for role in ("a", "b") if events[(role, "units_landed")] and events[(role, "v_refill_issued")]))
     del outs, graph
 
 

@@ -99,3 +99,22 @@ def test_pair_timeline():
     assert events[("a", "units_landed")] == [1600, 1600] and events[("a", "taken")] == [4400, 4400]
     assert events[("b", "posted")] == [4300, 4300] and events[("b", "end")] == [6400, 6400]
     assert events[("a", "v_refill_issued")] == [5000, 5000] and events[("b", "v_refill_issued")] == [5900, 5900]
+
+
+def test_pair_timeline_by_tile():
+    # four CTAs of a two-tile grid (index mod 2 = row tile); tile 1's pages land 500 cycles later
+    ctas = []
+    for i in range(4):
+        cta = _cta(1000, [(6000, 8000, 28000, 31000, 24, 0)], 44500)
+        late = 500 * (i % 2)
+        for j, start in enumerate((1000, 7000)):
+            base = P.FIRST_PAIR_SLOT + P.PAIR_EVENTS * j
+            for w, offsets in ((0, (0, 1600 + late, 2100, 3000, 4400, 3100, 4900, 5800, 5000)),
+                               (1, (10, 2400 + late, 2700, 3800, 3900, 4300, 5400, 6400, 5900))):
+                for event, offset in enumerate(offsets):
+                    cta[w, base + event] = start + offset
+        ctas.append(cta)
+    by_tile = P.pair_timeline_by_tile(np.stack(ctas), 2)
+    assert sorted(by_tile) == [0, 1]
+    assert by_tile[0][0][("a", "units_landed")] == [1600] * 4 and by_tile[1][0][("a", "units_landed")] == [2100] * 4
+    assert by_tile[1][0][("b", "units_landed")] == [2900] * 4 and by_tile[0][1] == [6000, 6000]
