@@ -287,25 +287,25 @@ int main(int argc, char** argv) {
   CHECK(cudaMemcpy(d_l2_list, l2_list.data(), l2_list.size() * sizeof(int), cudaMemcpyHostToDevice));
   // source: 0 DRAM, 1 an L2-resident window, 2 / 3 DRAM pages prefetched 3,000 / 6,000 cycles before the refill
   const char* source_names[4] = {"DRAM", "L2", "pf3000", "pf6000"};
-  for (int l2 : {0, 1, 2, 3}) {
+  for (int source : {0, 1, 2, 3}) {
     for (int ctas : {1, sms}) {
       for (int boxes : {1, 4, 9}) {
-        if (l2 >= 2 && boxes == 1) continue;
+        if (source >= 2 && boxes == 1) continue;
         const int* list = d_l2_list;
-        if (l2 == 1) {    // warm the window into L2 first
+        if (source == 1) {    // warm the window into L2 first
           refill_latency<<<sms, 32, kPageBytes>>>(maps[0], cache, d_l2_list, kSegments, kReps, d_cycles);
         } else {
           list = d_perm + window;
           window = (window + sms * kReps) % num_pages;
         }
         refill_latency<<<ctas, 32, kPageBytes>>>(maps[0], cache, list, boxes, kReps, d_cycles,
-                                                 l2 == 2 ? 3000 : l2 == 3 ? 6000 : 0);
+                                                 source == 2 ? 3000 : source == 3 ? 6000 : 0);
         CHECK(cudaGetLastError());
         CHECK(cudaDeviceSynchronize());
         std::vector<long long> c(size_t(ctas) * kReps);
         CHECK(cudaMemcpy(c.data(), d_cycles, c.size() * sizeof(long long), cudaMemcpyDeviceToHost));
         std::sort(c.begin(), c.end());
-        std::printf("%-6s %-8d %5d %10lld %10lld\n", source_names[l2], ctas, boxes, c[c.size() / 2],
+        std::printf("%-6s %-8d %5d %10lld %10lld\n", source_names[source], ctas, boxes, c[c.size() / 2],
                     c[c.size() * 9 / 10]);
       }
     }
