@@ -40,6 +40,11 @@ ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "taken",
                      "end")}
 
 
+def has_work(cta):
+    """A CTA's stamps count when kPageA stamped its entry and its exit (SM parts with no work stamp neither)."""
+    return cta[0][ENTRY] > 0 and cta[0][EXIT] > 0
+
+
 def pair_timeline(kept):
     """{(role, event): [cycles from kPageA's start of the pair]} over the timed pairs of the CTAs kept, and the
     pairs' lengths in cycles (kPageA's start to its next start, within the window)."""
@@ -69,7 +74,7 @@ def pair_timeline_by_tile(stamps, tiles):
     each tile's landing times."""
     out = {}
     for t in range(tiles):
-        kept = [s for s in stamps[t::tiles] if s[0][ENTRY] > 0 and s[0][EXIT] > 0]
+        kept = [s for s in stamps[t::tiles] if has_work(s)]
         events, lengths = pair_timeline(kept)
         if lengths:
             out[t] = (events, lengths)
@@ -85,7 +90,7 @@ def summarise(stamps):
     """stamps: (ctas, 3 warpgroups, SLOTS) integers as the kernel wrote them. CTAs without an exit stamp of kPageA
     (SM parts with no work) are left out. Returns (figures by name: lists of us, exits in us from the first entry,
     the CTAs kept)."""
-    kept = [s for s in stamps if s[0][ENTRY] > 0 and s[0][EXIT] > 0]
+    kept = [s for s in stamps if has_work(s)]
     if not kept:
         return {}, [], []
     t0 = min(int(s[w][ENTRY]) for s in kept for w in range(3) if s[w][ENTRY] > 0)

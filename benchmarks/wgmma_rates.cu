@@ -111,14 +111,24 @@ __device__ float issue(char* smem, int batches) {
   return sum;
 }
 
+// The operands: zeros in shared memory (the callers fence them into the async proxy before any WGMMA reads them).
+__device__ void zero_fill(char* smem, int bytes) {
+  for (int i = threadIdx.x; i < bytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+}
+
+// Warpgroup 0 streams `rounds` batches of shape A, warpgroup 1 of shape B (operands of A, then of B, at `smem`).
+template <class A, class B>
+__device__ float one_shape_each(char* smem, int rounds) {
+  return threadIdx.x / kWgThreads == 0 ? issue<A>(smem, rounds) : issue<B>(smem + A::kSmemBytes, rounds);
+}
+
 // Warpgroup 0 issues shape A, warpgroup 1 shape B; kMix: each warpgroup alternates the kernel's per-page mix
 // instead (nine S batches of shape A, then two P V batches of shape B: 36 + 8 WGMMAs, one page's S and a V half's
 // two P V).
 template <class A, class B, bool kMix>
 __global__ void __launch_bounds__(2 * kWgThreads, 1) rate_kernel(int rounds, long long* cycles, float* sink) {
   extern __shared__ __align__(1024) char smem[];
-  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
-  for (int i = threadIdx.x; i < kBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  zero_fill(smem, A::kSmemBytes + B::kSmemBytes);
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const int warpgroup = threadIdx.x / kWgThreads;
@@ -130,10 +140,8 @@ __global__ void __launch_bounds__(2 * kWgThreads, 1) rate_kernel(int rounds, lon
       sum += issue<A>(smem, 9);
       sum += issue<B>(smem + A::kSmemBytes, 2);
     }
-  } else if (warpgroup == 0) {
-    sum = issue<A>(smem, rounds);
   } else {
-    sum = issue<B>(smem + A::kSmemBytes, rounds);
+    sum = one_shape_each<A, B>(smem, rounds);
   }
   const long long end = clock64();
   if (threadIdx.x % kWgThreads == 0) cycles[blockIdx.x * 2 + warpgroup] = end - start;
@@ -153,7 +161,7 @@ __global__ void __launch_bounds__(2 * kWgThreads + 32, 1) copy_kernel(int rounds
   __shared__ alignas(8) uint64_t full;
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
   char* copy_buffer = smem + kBytes;
-  for (int i = threadIdx.x; i < kBytes / 16; i += blockDim.x) reinterpret_cast<uint4*>(smem)[i] = make_uint4(0, 0, 0, 0);
+  zero_fill(smem, kBytes);
   const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full));
   if (threadIdx.x == 0) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
@@ -186,10 +194,7 @@ __global__ void __launch_bounds__(2 * kWgThreads + 32, 1) copy_kernel(int rounds
     }
     return;
   }
-  if constexpr (!kIdle) {
-    if (warpgroup == 0) sum = issue<A>(smem, rounds);
-    else sum = issue<B>(smem + A::kSmemBytes, rounds);
-  }
+  if constexpr (!kIdle) sum = one_shape_each<A, B>(smem, rounds);
   if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
 }
 

@@ -40,7 +40,7 @@ struct Fp8Widening {
   // afterwards (a per-row test among the conversions cost each chunk a branch; zeroing the loaded bytes, a select
   // per loaded register). Passes are loaded two at a time before they are stored (the loads overlap). A row's
   // writes overwrite only that row's bytes, all of which its own eight lanes have read before the __syncwarp: no
-  // other thread is involved, and a page buffer's bytes are only ever written by the warpgroup that widens it. Lanes
+  // other thread is involved, and a unit's bytes are only ever written by the warpgroup that widens it. Lanes
   // 4..7 store their second chunk first, so that a row's eight first stores hit eight different bank groups;
   // they load their chunk's two 8-byte halves swapped (two 8-byte loads, same bandwidth) so that the first
   // widened chunk is always the one stored first, with no per-lane select of registers. The caller fences the
