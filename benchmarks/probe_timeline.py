@@ -14,7 +14,7 @@ overhead (a CTA's time outside its pieces' page loops: start, epilogues, boundar
 then, in clock64 cycles per page of the CTA (kPageA / kPageB; CTAs with at most 7 pieces), the time each warpgroup's
 thread 0 spent in the pair loop's waits: *_unit_waits (S waiting for page units to land; with an e4m3 q also P V
 waiting for the V halves to be widened), *_mailbox_waits (for the other warpgroup's post), *_pv_waits (for its own
-P V WGMMAs to complete). Last, the pair timeline: for pairs 4..9 of each CTA's first piece with at least 20 pages, the
+P V WGMMAs to complete). Last, the pair timeline: for pairs 4..7 of each CTA's first piece with at least 16 pages, the
 clock64 cycle of each event of each warpgroup (probe.h ProbePairEvent) from kPageA's start of the pair, medians over
 those pairs of all CTAs, and the pair's length (kPageA's start to its next start); with several row tiles a KV head,
 the same per row tile (pages' landings, page a's V refill issue, the pairs' ends).
@@ -30,14 +30,14 @@ ENTRY, SM, ROLE_START, EXIT, PIECE_COUNT, FIRST_PIECE, PER_PIECE, MAX_PIECES = 0
 UNIT_WAITS, MAILBOX_WAITS, PV_WAITS = 5, 6, 7          # cycles, summed over the CTA's pieces (values)
 WAITS = (("unit_waits", UNIT_WAITS), ("mailbox_waits", MAILBOX_WAITS), ("pv_waits", PV_WAITS))
 Q_LANDED, FIRST_S, MAINLOOP_END, EPILOGUE_END, PAGES, SEQ, SPLIT = range(7)
-FIRST_PAIR_SLOT, PAIR_EVENTS, TIMED_PAIRS = 64, 9, 6     # kProbeFirstPairSlot, kProbePairEvents, kProbePairs
+FIRST_PAIR_SLOT, PAIR_EVENTS, TIMED_PAIRS = 64, 13, 4    # kProbeFirstPairSlot, kProbePairEvents, kProbePairs
 # ProbePairEvent, in slot order, and each warpgroup's events in the order its schedule reaches them (mainloop.h)
 PAIR_EVENT_NAMES = ("start", "units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "end",
-                    "v_refill_issued")
-ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "taken", "pv_issued", "v_refill_issued",
-                     "end"),
-               "b": ("units_landed", "s_done", "probs_ready", "taken", "posted", "pv_issued", "v_refill_issued",
-                     "end")}
+                    "v_refill_issued", "pava_issuing", "pava_issued", "pava_done", "pbvb_issuing")
+ROLE_EVENTS = {"a": ("units_landed", "s_done", "probs_ready", "posted", "pava_issuing", "pava_issued", "taken",
+                     "pava_done", "pbvb_issuing", "pv_issued", "v_refill_issued", "end"),
+               "b": ("units_landed", "s_done", "probs_ready", "taken", "posted", "pava_issuing", "pava_issued",
+                     "pbvb_issuing", "pv_issued", "pava_done", "v_refill_issued", "end")}
 
 
 def has_work(cta):

@@ -70,10 +70,12 @@ struct Shape_ {
   static const char* name();
 };
 
-// `batches` commit groups of kKBlocksPerBatch WGMMAs of shape S on operands at `smem`; returns the accumulator's sum
-// (so that nothing is dead code).
-template <class S>
+// `batches` commit groups of kKBlocksPerBatch WGMMAs of shape S on operands at `smem`, at most kInFlight groups in
+// flight (1: each batch waited for before the next is issued, as the split kernel waits for a page's P V); returns
+// the accumulator's sum (so that nothing is dead code).
+template <class S, int kInFlight = 2>
 __device__ float issue(char* smem, int batches) {
+  static_assert(kInFlight == 1 || kInFlight == 2, "wait<0> or wait<1> after each batch");
   using T = typename S::Element;
   typename S::TiledMma mma;
   auto thr = mma.get_slice(threadIdx.x % kWgThreads);
@@ -91,7 +93,7 @@ __device__ float issue(char* smem, int batches) {
       CUTE_UNROLL
       for (int k = 0; k < size<2>(tCrB); ++k) gemm(mma, tCrA(_, _, k), tCrB(_, _, k), acc);
       warpgroup_commit_batch();
-      warpgroup_wait<1>();
+      warpgroup_wait<kInFlight - 1>();
       warpgroup_fence_operand(acc);
     }
     warpgroup_wait<0>();
@@ -143,6 +145,23 @@ __global__ void __launch_bounds__(2 * kWgThreads, 1) rate_kernel(int rounds, lon
   } else {
     sum = one_shape_each<A, B>(smem, rounds);
   }
+  const long long end = clock64();
+  if (threadIdx.x % kWgThreads == 0) cycles[blockIdx.x * 2 + warpgroup] = end - start;
+  if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
+}
+
+// Warpgroup 0 issues `rounds` batches of shape S, each waited for before the next (kInFlight 1) or two in flight;
+// warpgroup 1 the same (kBoth) or nothing: how much of a lone warpgroup's batch is the tensor pipe's fill and drain.
+template <class S, bool kBoth, int kInFlight>
+__global__ void __launch_bounds__(2 * kWgThreads, 1) batch_kernel(int rounds, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  zero_fill(smem, 2 * S::kSmemBytes);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int warpgroup = threadIdx.x / kWgThreads;
+  if (!kBoth && warpgroup == 1) return;
+  const long long start = clock64();
+  const float sum = issue<S, kInFlight>(smem + warpgroup * S::kSmemBytes, rounds);
   const long long end = clock64();
   if (threadIdx.x % kWgThreads == 0) cycles[blockIdx.x * 2 + warpgroup] = end - start;
   if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
@@ -254,6 +273,34 @@ void report(const char* label, int sms, int rounds) {
   CHECK(cudaFree(sink));
 }
 
+// Cycles per batch of warpgroup 0 (median over CTAs) and the tensor pipe's share of them (a batch's FLOP at the
+// dense peak, both warpgroups' batches counted with kBoth).
+template <class S, bool kBoth, int kInFlight>
+void report_batch(const char* label, int sms, int rounds) {
+  constexpr int kBytes = 2 * S::kSmemBytes;
+  auto kernel = batch_kernel<S, kBoth, kInFlight>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, sms * 2 * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds / 8, cycles, sink);    // warm-up
+  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds, cycles, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> host(sms * 2);
+  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  std::vector<double> per_batch(sms);
+  for (int c = 0; c < sms; ++c) per_batch[c] = double(host[2 * c]) / rounds;
+  std::sort(per_batch.begin(), per_batch.end());
+  const double median = per_batch[sms / 2];
+  const double peak = S::kE4m3 ? 8192.0 : 4096.0;
+  const double busy = (kBoth ? 2 : 1) * S::kBatchFlop / peak;    // tensor cycles of the batches issued meanwhile
+  std::printf("%-58s %8.0f cycles a batch  %5.1f %% of peak\n", label, median, 100.0 * busy / median);
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+}
+
 using Bf16 = cutlass::bfloat16_t;
 using E4m3 = cutlass::float_e4m3_t;
 using S64 = Shape_<Bf16, 64, false, false>;       // S today: Q and K from shared memory, N = 64
@@ -262,6 +309,7 @@ using S256 = Shape_<Bf16, 256, false, false>;
 using R64 = Shape_<Bf16, 64, true, false>;        // S with Q in registers
 using PV128 = Shape_<Bf16, 128, true, true>;
 using PV256 = Shape_<Bf16, 256, true, true>;      // P V today: P in registers, V^T MN-major, N = 256
+using PV256S = Shape_<Bf16, 256, false, true>;    // P V with P in shared memory
 using E64 = Shape_<E4m3, 64, false, false>;       // the e4m3-scores kernel's S
 using E32 = Shape_<E4m3, 32, false, false>;
 
@@ -285,6 +333,23 @@ int main() {
   report<S64, PV256, true>("kernel mix: 36 x SS m64n64k16 + 8 x RS m64n256k16 (MN)", sms, rounds / 8);
   report<R64, PV256, true>("kernel mix, S from registers: 36 x RS m64n64k16 + 8 x PV", sms, rounds / 8);
   report<S128, PV256, true>("mix with S at N = 128: 36 x SS m64n128k16 + 8 x PV", sms, rounds / 8);
+
+  std::printf("\n# batches of %d WGMMAs into one accumulator, by one warpgroup or both: cycles a batch of warpgroup 0 "
+              "(median over CTAs)\n", kKBlocksPerBatch);
+  auto row = [&](const char* who, const char* name, const char* how) {
+    std::snprintf(label, sizeof(label), "%s: %s, %s", who, name, how);
+    return label;
+  };
+  report_batch<PV256, false, 1>(row("one", PV256::name(), "each waited"), sms, rounds);
+  report_batch<PV256, false, 2>(row("one", PV256::name(), "two in flight"), sms, rounds);
+  report_batch<PV256, true, 1>(row("both", PV256::name(), "each waited"), sms, rounds);
+  report_batch<PV256S, false, 1>(row("one", PV256S::name(), "each waited"), sms, rounds);
+  report_batch<PV256S, false, 2>(row("one", PV256S::name(), "two in flight"), sms, rounds);
+  report_batch<PV256S, true, 1>(row("both", PV256S::name(), "each waited"), sms, rounds);
+  report_batch<PV128, false, 1>(row("one", PV128::name(), "each waited"), sms, rounds);
+  report_batch<S64, false, 1>(row("one", S64::name(), "each waited"), sms, rounds);
+  report_batch<S64, false, 2>(row("one", S64::name(), "two in flight"), sms, rounds);
+  report_batch<E64, false, 1>(row("one", E64::name(), "each waited"), sms, rounds);
 
   char* window = nullptr;
   CHECK(cudaMalloc(&window, kWindowBytes));

@@ -80,7 +80,8 @@ def test_slot_numbers_match_the_kernel_header():
     # kProbeFirstPairSlot = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces
     assert values["kProbeFirstPiece"] + P.PER_PIECE * constants["kProbeMaxPieces"] == P.FIRST_PAIR_SLOT
     names = ["kProbePairStart", "kProbeUnitsLanded", "kProbeSDone", "kProbeProbsReady", "kProbeTaken", "kProbePosted",
-             "kProbePvIssued", "kProbePairEnd", "kProbeVRefillIssued"]
+             "kProbePvIssued", "kProbePairEnd", "kProbeVRefillIssued", "kProbePaVaIssuing", "kProbePaVaIssued",
+             "kProbePaVaDone", "kProbePbVbIssuing"]
     events = dict(re.findall(r"(" + "|".join(names) + r") = (\d+)", header))
     assert [int(events[n]) for n in names] == list(range(len(P.PAIR_EVENT_NAMES)))
 
@@ -90,8 +91,8 @@ def test_pair_timeline():
     cta = _cta(1000, [(6000, 8000, 28000, 31000, 24, 0)], 44500)
     for j, start in enumerate((1000, 7000)):
         base = P.FIRST_PAIR_SLOT + P.PAIR_EVENTS * j
-        for w, offsets in ((0, (0, 1600, 2100, 3000, 4400, 3100, 4900, 5800, 5000)),
-                           (1, (10, 2400, 2700, 3800, 3900, 4300, 5400, 6400, 5900))):
+        for w, offsets in ((0, (0, 1600, 2100, 3000, 4400, 3100, 4900, 5800, 5000, 3150, 3200, 4500, 4600)),
+                           (1, (10, 2400, 2700, 3800, 3900, 4300, 5400, 6400, 5900, 4350, 4400, 5600, 4450))):
             for event, offset in enumerate(offsets):
                 cta[w, base + event] = start + offset
     events, lengths = P.pair_timeline([cta])
@@ -99,6 +100,7 @@ def test_pair_timeline():
     assert events[("a", "units_landed")] == [1600, 1600] and events[("a", "taken")] == [4400, 4400]
     assert events[("b", "posted")] == [4300, 4300] and events[("b", "end")] == [6400, 6400]
     assert events[("a", "v_refill_issued")] == [5000, 5000] and events[("b", "v_refill_issued")] == [5900, 5900]
+    assert events[("a", "pava_done")] == [4500, 4500] and events[("b", "pbvb_issuing")] == [4450, 4450]
 
 
 def test_pair_timeline_by_tile():
@@ -109,8 +111,10 @@ def test_pair_timeline_by_tile():
         late = 500 * (i % 2)
         for j, start in enumerate((1000, 7000)):
             base = P.FIRST_PAIR_SLOT + P.PAIR_EVENTS * j
-            for w, offsets in ((0, (0, 1600 + late, 2100, 3000, 4400, 3100, 4900, 5800, 5000)),
-                               (1, (10, 2400 + late, 2700, 3800, 3900, 4300, 5400, 6400, 5900))):
+            for w, offsets in ((0, (0, 1600 + late, 2100, 3000, 4400, 3100, 4900, 5800, 5000, 3150, 3200, 4500,
+                                    4600)),
+                               (1, (10, 2400 + late, 2700, 3800, 3900, 4300, 5400, 6400, 5900, 4350, 4400, 5600,
+                                    4450))):
                 for event, offset in enumerate(offsets):
                     cta[w, base + event] = start + offset
         ctas.append(cta)

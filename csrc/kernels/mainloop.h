@@ -684,7 +684,9 @@ struct SplitKvMainloop {
         if constexpr (Traits::kE4m3Scores) {
           probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[0][0], phases.page[0]); });
         }
+        stamp(page, kProbePaVaIssuing, probe_clock());
         issue_pv(tOrPa, tOrVa, tOrO);
+        stamp(page, kProbePaVaIssued, probe_clock());
         if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) {
           static_assert(Widening::widened_by_page_a(1, 0), "page b's left V half is kPageA's to widen");
@@ -713,8 +715,10 @@ struct SplitKvMainloop {
           }
           // O_L may be rescaled only once P_a V_a is done (long done by now in the common case).
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
+          stamp(page, kProbePaVaDone, probe_clock());
           scale_rows(O, scale);
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
+          stamp(page, kProbePbVbIssuing, probe_clock());
           issue_pv(tOrPb, tOrVb, tOrO);                     // V_b landed: kPageB's S_b waited for it
           stamp(page, kProbePvIssued, probe_clock());
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
@@ -811,16 +815,20 @@ struct SplitKvMainloop {
         if constexpr (Traits::kE4m3Scores) {
           probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[0][1], phases.page[0]); });
         }
+        stamp(page, kProbePaVaIssuing, probe_clock());
         issue_pv(tOrPa, tOrVa, tOrO);                       // V_a landed: kPageA's S_a waited for it
+        stamp(page, kProbePaVaIssued, probe_clock());
         if (has_b) {
           zero_tail_rows(smem, 1, kWarpgroup, piece.end - key0 - kBlockN);
           if constexpr (Traits::kE4m3Scores) {
             probe_timed(phases.waits.units, [&] { Barrier::wait(&smem.v_half_widened[1][1], phases.page[1]); });
           }
+          stamp(page, kProbePbVbIssuing, probe_clock());
           issue_pv(tOrPb, tOrVb, tOrO);
           stamp(page, kProbePvIssued, probe_clock());
           if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
+          stamp(page, kProbePaVaDone, probe_clock());
           refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });

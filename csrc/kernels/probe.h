@@ -54,10 +54,14 @@ enum ProbePairEvent : int {
   kProbePairEnd = 7,        // the last P V complete and the refills issued
   kProbeVRefillIssued = 8,  // page a's V half refilled (kPageA: V_a[:, 0:256] after P_b V_b's issue; kPageB: V_a[:,
                             // 256:512] once its P_a V_a is complete), by this thread's share of the copies
+  kProbePaVaIssuing = 9,    // about to issue its P_a V_a (operands ready: the WGMMA issue's own wait follows)
+  kProbePaVaIssued = 10,    // its P_a V_a issued
+  kProbePaVaDone = 11,      // its P_a V_a complete (kPageA: waited for before P_b V_b; kPageB: before V_a's refill)
+  kProbePbVbIssuing = 12,   // about to issue its P_b V_b
 };
-constexpr int kProbePairEvents = 9;
+constexpr int kProbePairEvents = 13;
 constexpr int kProbeFirstPair = 4;
-constexpr int kProbePairs = 6;
+constexpr int kProbePairs = 4;
 constexpr int kProbeFirstPairSlot = kProbeFirstPiece + kProbeSlotsPerPiece * kProbeMaxPieces;    // 64
 constexpr int kProbeSlots = 128;
 static_assert(kProbeFirstPairSlot + kProbePairEvents * kProbePairs <= kProbeSlots, "the pair timeline fits");
