@@ -7,7 +7,7 @@
 // accumulator, one commit group each, with at most two groups in flight. Cycles by clock64 per warpgroup.
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include \
-//        -I$CUDA_HOME/include/cccl benchmarks/wgmma_rates.cu -o /tmp/wgmma && /tmp/wgmma
+//        -I$CUDA_HOME/include/cccl -Icsrc/kernels benchmarks/wgmma_rates.cu -o /tmp/wgmma && /tmp/wgmma
 //   (<cutlass>: python3 -c "import cutlass_library, os; print(os.path.dirname(cutlass_library.__file__))"/source)
 //
 // One row per configuration: FLOP per clock per SM (median over CTAs of both warpgroups' work over the longer of
@@ -18,11 +18,19 @@
 // clock64 times each from issue to its mbarrier's completion, while the two warpgroups run a shape (or nothing).
 // The sources are an L2-resident 4 MiB window, so the row says how much the WGMMAs' shared-memory operand reads slow
 // the copies' writes into shared memory (the split kernel's release-to-landing loop, docs/PERF.md).
+//
+// A third table times the FP8 cache's V widening (csrc/kernels/fp8_widening.h widen_unit, the kernel's own code): a
+// third warpgroup widens a V half (two units, e4m3 -> fp16 in place) again and again while the two warpgroups stream
+// a shape (or nothing); clock64 per half, against the conversions' floor at the SM's cvt rate (16,384 values at 62 a
+// clock: 264 cycles, benchmarks/instruction_rates.cu). Says whether the widening is bound by its own instructions or
+// by the shared memory the WGMMAs read. (Compile with -Icsrc/kernels as well.)
 #include <cuda_runtime.h>
 
 #include <cute/tensor.hpp>
 #include <cute/atom/mma_traits_sm90_gmma.hpp>
 #include <cutlass/numeric_types.h>
+
+#include "fp8_widening.h"
 
 #include <algorithm>
 #include <cstdio>
@@ -217,6 +225,139 @@ __global__ void __launch_bounds__(2 * kWgThreads + 32, 1) copy_kernel(int rounds
   if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
 }
 
+using WidenTraits = flash_mla::SplitKvTraits<cutlass::half_t, cutlass::float_e4m3_t, true>;
+using Widening = flash_mla::Fp8Widening<WidenTraits>;
+constexpr int kWidenHalves = 64;
+constexpr int kBlockRows = WidenTraits::kBlockN;    // every row of the page valid
+constexpr int kPageBytes = WidenTraits::kSegments * int(WidenTraits::kSegmentBytes);    // 72 KiB
+
+// Warpgroups 0 and 1 stream shape A / B (kIdle: nothing) for `rounds` batches; warpgroup 2 widens the left V half of
+// a page buffer (units 0 and 1) kWidenHalves times, each followed by the kernel's fence and warpgroup barrier;
+// cycles[c * kWidenHalves + h] = clock64 of half h (thread 0 of warpgroup 2).
+template <class A, class B, bool kIdle>
+__global__ void __launch_bounds__(3 * kWgThreads, 1) widen_kernel(int rounds, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  auto* page = reinterpret_cast<cutlass::half_t*>(smem + kBytes);    // (kBytes is a multiple of 1 KiB)
+  zero_fill(smem, kBytes + kPageBytes);
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const int warpgroup = threadIdx.x / kWgThreads;
+  float sum = 0.f;
+  if (warpgroup == 2) {
+#pragma unroll 1
+    for (int h = 0; h < kWidenHalves; ++h) {
+      const long long start = clock64();
+      Widening::widen_unit(page, 0, kBlockRows);
+      Widening::widen_unit(page, 1, kBlockRows);
+      cutlass::arch::fence_view_async_shared();
+      flash_mla::warpgroup_sync(flash_mla::WarpgroupBarrier::kUnitWidened, 0);
+      if (threadIdx.x % kWgThreads == 0) cycles[int64_t(blockIdx.x) * kWidenHalves + h] = clock64() - start;
+    }
+    return;
+  }
+  if constexpr (!kIdle) sum = one_shape_each<A, B>(smem, rounds);
+  if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
+}
+
+// What a CUDA-core shared-memory access costs while the warpgroups stream a shape: warp 8's lane 0 times
+// kAccesses of one kind, one after another (each waits for the previous one's result): kTryWait, an
+// mbarrier.try_wait on a phase already complete (the split kernel's unit and mailbox waits); kArrive, an mbarrier
+// arrive (a TMA refill's expect_tx, a mailbox post); kLoad, a 4-byte ld.shared. cycles[c * kAccesses + i].
+enum SmemAccess : int { kTryWait = 0, kArrive = 1, kLoad = 2 };
+constexpr int kAccesses = 64;
+
+template <class A, class B, bool kIdle, int kAccess>
+__global__ void __launch_bounds__(2 * kWgThreads + 32, 1) access_kernel(int rounds, long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) char smem[];
+  __shared__ alignas(8) uint64_t bar;
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  zero_fill(smem, kBytes);
+  const uint32_t bar_addr = static_cast<uint32_t>(__cvta_generic_to_shared(&bar));
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_addr));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  float sum = 0.f;
+  if (threadIdx.x / kWgThreads == 2) {
+    if (threadIdx.x % 32 != 0) return;
+    if (kAccess == kTryWait) asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar_addr) : "memory");
+    uint32_t value = 0;
+    // Let the WGMMA streams start before the first access.
+    for (long long t0 = clock64(); clock64() - t0 < 20000;) {
+    }
+#pragma unroll 1
+    for (int i = 0; i < kAccesses; ++i) {
+      const long long start = clock64();
+      if constexpr (kAccess == kTryWait) {
+        asm volatile(
+            "{\n .reg .pred p;\n WAIT:\n"
+            " mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+            " @!p bra WAIT;\n}\n" ::"r"(bar_addr), "r"(0u) : "memory");    // phase 0 complete: returns at once
+      } else if constexpr (kAccess == kArrive) {
+        asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar_addr) : "memory");
+      } else {
+        uint32_t loaded;
+        asm volatile("ld.shared.u32 %0, [%1];" : "=r"(loaded) : "r"(bar_addr + (value & 4u)) : "memory");
+        value += loaded;
+      }
+      cycles[int64_t(blockIdx.x) * kAccesses + i] = clock64() - start + (value & 1u);
+    }
+    return;
+  }
+  if constexpr (!kIdle) sum = one_shape_each<A, B>(smem, rounds);
+  if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
+}
+
+template <class A, class B, bool kIdle>
+void report_access(const char* label, int sms, int rounds) {
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
+  long long medians[3];
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, size_t(sms) * kAccesses * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  auto one = [&](auto kernel, int which) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, cycles, sink);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<long long> host(size_t(sms) * kAccesses);
+    CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::sort(host.begin(), host.end());
+    medians[which] = host[host.size() / 2];
+  };
+  one(access_kernel<A, B, kIdle, kTryWait>, kTryWait);
+  one(access_kernel<A, B, kIdle, kArrive>, kArrive);
+  one(access_kernel<A, B, kIdle, kLoad>, kLoad);
+  std::printf("%-58s %8lld %8lld %8lld\n", label, medians[kTryWait], medians[kArrive], medians[kLoad]);
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+}
+
+template <class A, class B, bool kIdle>
+void report_widen(const char* label, int sms, int rounds) {
+  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kPageBytes;
+  auto kernel = widen_kernel<A, B, kIdle>;
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, size_t(sms) * kWidenHalves * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);    // warm-up
+  kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> host(size_t(sms) * kWidenHalves);
+  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  std::sort(host.begin(), host.end());
+  std::printf("%-58s %8lld %8lld\n", label, host[host.size() / 2], host[host.size() * 9 / 10]);
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+}
+
 template <class A, class B, bool kIdle>
 void report_copy(const char* label, int sms, int rounds, const char* src) {
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kCopyBytes;
@@ -366,5 +507,26 @@ int main() {
   report_copy<PV128, PV128, false>(both(PV128::name()), sms, rounds, window);
   report_copy<S64, PV128, false>("one each: bf16 SS m64n64k16 | bf16 RS m64n128k16 (MN)", sms, rounds, window);
   CHECK(cudaFree(window));
+
+  // The widening's halves take ~64 x 1,000 cycles; the WGMMA streams outlast them (4,096 batches of >= 128 cycles).
+  std::printf("\n# the FP8 V widening (fp8_widening.h widen_unit, two units = a V half, 16,384 values) by a third "
+              "warpgroup while both warpgroups stream a shape: clock64 cycles a half, median / p90; the cvt floor is "
+              "264\n");
+  std::printf("%-58s %8s %8s\n", "warpgroups", "p50", "p90");
+  report_widen<E64, E64, true>("idle", sms, rounds);
+  report_widen<E64, E64, false>(both(E64::name()), sms, rounds);
+  report_widen<PV128, PV128, false>(both(PV128::name()), sms, rounds);
+  report_widen<E64, PV128, false>("one each: e4m3 SS m64n64k32 | bf16 RS m64n128k16 (MN)", sms, rounds);
+  report_widen<S64, S64, false>(both(S64::name()), sms, rounds);
+
+  std::printf("\n# one CUDA-core shared-memory access at a time by a ninth warp while both warpgroups stream a shape: "
+              "clock64 cycles, median of %d a CTA\n", kAccesses);
+  std::printf("%-58s %8s %8s %8s\n", "warpgroups", "try_wait", "arrive", "ld.shared");
+  report_access<S64, S64, true>("idle", sms, rounds);
+  report_access<S64, S64, false>(both(S64::name()), sms, rounds);
+  report_access<E64, E64, false>(both(E64::name()), sms, rounds);
+  report_access<S128, S128, false>(both(S128::name()), sms, rounds);
+  report_access<PV128, PV128, false>(both(PV128::name()), sms, rounds);
+  report_access<S64, PV128, false>("one each: bf16 SS m64n64k16 | bf16 RS m64n128k16 (MN)", sms, rounds);
   return 0;
 }

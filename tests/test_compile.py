@@ -103,10 +103,12 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
 @pytest.mark.parametrize("program", sorted((ROOT / "benchmarks").glob("*.cu")), ids=lambda p: p.name)
 def test_benchmark_programs_compile(program, tmp_path):
     """The stand-alone GPU programs under benchmarks/ (page streaming, instruction rates, WGMMA rates) compile for
-    sm_90a with the command their headers give (those that include CuTe with its include paths), so that a lent
-    GPU's time is not spent on a build error."""
+    sm_90a with the command their headers give (those that include CuTe with its include paths, and the kernels'
+    headers: wgmma_rates.cu times the FP8 widening's own code), so that a lent GPU's time is not spent on a build
+    error."""
     cute = "#include <cute/" in program.read_text()
-    extra = ["--expt-relaxed-constexpr", f"-I{cutlass_include()}", f"-I{cuda_include_cccl()}"] if cute else []
+    extra = ["--expt-relaxed-constexpr", f"-I{cutlass_include()}", f"-I{cuda_include_cccl()}",
+             f"-I{ROOT / 'csrc' / 'kernels'}"] if cute else []
     proc = subprocess.run([NVCC, "-O3", "-std=c++17", *extra, "-gencode", "arch=compute_90a,code=sm_90a", "-c",
                            str(program), "-o", str(tmp_path / (program.stem + ".o"))], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
