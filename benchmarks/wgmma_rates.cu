@@ -231,10 +231,14 @@ constexpr int kWidenHalves = 64;
 constexpr int kBlockRows = WidenTraits::kBlockN;    // every row of the page valid
 constexpr int kPageBytes = WidenTraits::kSegments * int(WidenTraits::kSegmentBytes);    // 72 KiB
 
-// Warpgroups 0 and 1 stream shape A / B (kIdle: nothing) for `rounds` batches; warpgroup 2 widens the left V half of
-// a page buffer (units 0 and 1) kWidenHalves times, each followed by the kernel's fence and warpgroup barrier;
+// What warpgroup 2 moves through shared memory in widen_kernel: a V half widened (16 KiB read, 32 KiB written), or the
+// same bytes only read (16 B loads) or only written (16 B stores), to tell which direction the WGMMAs starve.
+enum BulkTraffic : int { kWidenHalf = 0, kReadHalf = 1, kWriteHalf = 2 };
+
+// Warpgroups 0 and 1 stream shape A / B (kIdle: nothing) for `rounds` batches; warpgroup 2 moves a V half's bytes
+// (kTraffic) kWidenHalves times, each followed by the kernel's fence and warpgroup barrier;
 // cycles[c * kWidenHalves + h] = clock64 of half h (thread 0 of warpgroup 2).
-template <class A, class B, bool kIdle>
+template <class A, class B, bool kIdle, int kTraffic>
 __global__ void __launch_bounds__(3 * kWgThreads, 1) widen_kernel(int rounds, long long* cycles, float* sink) {
   extern __shared__ __align__(1024) char smem[];
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
@@ -248,8 +252,23 @@ __global__ void __launch_bounds__(3 * kWgThreads, 1) widen_kernel(int rounds, lo
 #pragma unroll 1
     for (int h = 0; h < kWidenHalves; ++h) {
       const long long start = clock64();
-      Widening::widen_unit(page, 0, kBlockRows);
-      Widening::widen_unit(page, 1, kBlockRows);
+      if constexpr (kTraffic == kWidenHalf) {
+        Widening::widen_unit(page, 0, kBlockRows);
+        Widening::widen_unit(page, 1, kBlockRows);
+      } else if constexpr (kTraffic == kReadHalf) {    // the half's 16 KiB of e4m3 bytes (two units' first halves)
+        const uint4* bytes = reinterpret_cast<const uint4*>(page);
+        uint4 acc = make_uint4(0, 0, 0, 0);
+        CUTE_UNROLL
+        for (int k = 0; k < 8; ++k) {
+          const uint4 v = bytes[(k / 4) * 1024 + (k % 4) * kWgThreads + threadIdx.x % kWgThreads];
+          acc.x ^= v.x, acc.y ^= v.y, acc.z ^= v.z, acc.w ^= v.w;
+        }
+        if ((acc.x ^ acc.y ^ acc.z ^ acc.w) == 0x12345678u) sink[blockIdx.x] = 1.f;    // zeros: never stores
+      } else {                                         // the half's 32 KiB of fp16 values
+        uint4* values = reinterpret_cast<uint4*>(page);
+        CUTE_UNROLL
+        for (int k = 0; k < 16; ++k) values[k * kWgThreads + threadIdx.x % kWgThreads] = make_uint4(0, 0, 0, h);
+      }
       cutlass::arch::fence_view_async_shared();
       flash_mla::warpgroup_sync(flash_mla::WarpgroupBarrier::kUnitWidened, 0);
       if (threadIdx.x % kWgThreads == 0) cycles[int64_t(blockIdx.x) * kWidenHalves + h] = clock64() - start;
@@ -337,23 +356,32 @@ void report_access(const char* label, int sms, int rounds) {
   CHECK(cudaFree(sink));
 }
 
+// One row: the median cycles a half of each kind of traffic (and the widening's p90).
 template <class A, class B, bool kIdle>
 void report_widen(const char* label, int sms, int rounds) {
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kPageBytes;
-  auto kernel = widen_kernel<A, B, kIdle>;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+  long long median[3], widen_p90 = 0;
   long long* cycles = nullptr;
   float* sink = nullptr;
   CHECK(cudaMalloc(&cycles, size_t(sms) * kWidenHalves * sizeof(long long)));
   CHECK(cudaMalloc(&sink, sms * sizeof(float)));
-  kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);    // warm-up
-  kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<long long> host(size_t(sms) * kWidenHalves);
-  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
-  std::sort(host.begin(), host.end());
-  std::printf("%-58s %8lld %8lld\n", label, host[host.size() / 2], host[host.size() * 9 / 10]);
+  auto one = [&](auto kernel, int which) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);    // warm-up
+    kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);
+    CHECK(cudaGetLastError());
+    CHECK(cudaDeviceSynchronize());
+    std::vector<long long> host(size_t(sms) * kWidenHalves);
+    CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::sort(host.begin(), host.end());
+    median[which] = host[host.size() / 2];
+    if (which == kWidenHalf) widen_p90 = host[host.size() * 9 / 10];
+  };
+  one(widen_kernel<A, B, kIdle, kWidenHalf>, kWidenHalf);
+  one(widen_kernel<A, B, kIdle, kReadHalf>, kReadHalf);
+  one(widen_kernel<A, B, kIdle, kWriteHalf>, kWriteHalf);
+  std::printf("%-58s %8lld %8lld %8lld %8lld\n", label, median[kWidenHalf], widen_p90, median[kReadHalf],
+              median[kWriteHalf]);
   CHECK(cudaFree(cycles));
   CHECK(cudaFree(sink));
 }
@@ -510,14 +538,15 @@ int main() {
 
   // The widening's halves take ~64 x 1,000 cycles; the WGMMA streams outlast them (4,096 batches of >= 128 cycles).
   std::printf("\n# the FP8 V widening (fp8_widening.h widen_unit, two units = a V half, 16,384 values) by a third "
-              "warpgroup while both warpgroups stream a shape: clock64 cycles a half, median / p90; the cvt floor is "
-              "264\n");
-  std::printf("%-58s %8s %8s\n", "warpgroups", "p50", "p90");
+              "warpgroup while both warpgroups stream a shape: clock64 cycles a half (median; the widening's p90), and the same bytes only read (16 KiB) or only written (32 KiB); "
+              "the conversions' floor is 264\n");
+  std::printf("%-58s %8s %8s %8s %8s\n", "warpgroups", "widen", "p90", "read", "write");
   report_widen<E64, E64, true>("idle", sms, rounds);
   report_widen<E64, E64, false>(both(E64::name()), sms, rounds);
   report_widen<PV128, PV128, false>(both(PV128::name()), sms, rounds);
   report_widen<E64, PV128, false>("one each: e4m3 SS m64n64k32 | bf16 RS m64n128k16 (MN)", sms, rounds);
   report_widen<S64, S64, false>(both(S64::name()), sms, rounds);
+  report_widen<S128, S128, false>(both(S128::name()), sms, rounds);
 
   std::printf("\n# one CUDA-core shared-memory access at a time by a ninth warp while both warpgroups stream a shape: "
               "clock64 cycles, median of %d a CTA\n", kAccesses);
