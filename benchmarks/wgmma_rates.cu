@@ -481,6 +481,8 @@ using PV256 = Shape_<Bf16, 256, true, true>;      // P V today: P in registers, 
 using PV256S = Shape_<Bf16, 256, false, true>;    // P V with P in shared memory
 using E64 = Shape_<E4m3, 64, false, false>;       // the e4m3-scores kernel's S
 using E32 = Shape_<E4m3, 32, false, false>;
+using E128 = Shape_<E4m3, 128, false, false>;     // e4m3 S over a page pair side by side
+using ER64 = Shape_<E4m3, 64, true, false>;       // e4m3 S with Q in registers
 
 int main() {
   cudaDeviceProp prop{};
@@ -498,6 +500,8 @@ int main() {
   report<PV256, PV256, false>(both(PV256::name()), sms, rounds);
   report<E64, E64, false>(both(E64::name()), sms, rounds);
   report<E32, E32, false>(both(E32::name()), sms, rounds);
+  report<E128, E128, false>(both(E128::name()), sms, rounds);
+  report<ER64, ER64, false>(both(ER64::name()), sms, rounds);
   report<S64, PV256, false>("one each: bf16 SS m64n64k16 | bf16 RS m64n256k16 (MN)", sms, rounds);
   report<S64, PV256, true>("kernel mix: 36 x SS m64n64k16 + 8 x RS m64n256k16 (MN)", sms, rounds / 8);
   report<R64, PV256, true>("kernel mix, S from registers: 36 x RS m64n64k16 + 8 x PV", sms, rounds / 8);
@@ -547,6 +551,8 @@ int main() {
   report_widen<E64, PV128, false>("one each: e4m3 SS m64n64k32 | bf16 RS m64n128k16 (MN)", sms, rounds);
   report_widen<S64, S64, false>(both(S64::name()), sms, rounds);
   report_widen<S128, S128, false>(both(S128::name()), sms, rounds);
+  report_widen<E128, E128, false>(both(E128::name()), sms, rounds);
+  report_widen<ER64, ER64, false>(both(ER64::name()), sms, rounds);
 
   std::printf("\n# one CUDA-core shared-memory access at a time by a ninth warp while both warpgroups stream a shape: "
               "clock64 cycles, median of %d a CTA\n", kAccesses);
