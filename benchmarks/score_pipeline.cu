@@ -4,8 +4,8 @@
 //
 //   kScore (warpgroup 0): Q (e4m3, 64 rows x 576) in registers, so that S = Q K^T reads only K from shared memory
 //                         (RS m64n64k32; SS at N = 64 leaves the CUDA cores no shared memory, "Ceilings"); per page:
-//                         S (a float32 partial a 128-column unit, as the kernel's), its softmax, P (fp16) into a
-//                         slot of a two-slot ring, each row's rescale factor beside it.
+//                         S (a float32 partial a 128-column unit, as the kernel's), its softmax, P (fp16, by
+//                         stmatrix) into a slot of a two-slot ring, each row's rescale factor beside it.
 //   kHalf0, kHalf1:       O[:, 256 h : 256 h + 256] each; per page: widen its V half in place once S has read those
 //                         units, then O = O x factor + P V_half (SS m64n256k16: P and V^T from shared memory).
 //
@@ -83,7 +83,11 @@ __device__ void spin(long long cycles) {
   }
 }
 
-__device__ float score_role(Smem& smem, int refill_wait) {
+// Parts left out (timing only), to see what the pair's pace is made of: the halves' widening, kScore's softmax
+// (P = S as it is), S's float32 steps (every unit into S, one commit group a page).
+enum Skip : int { kSkipWidening = 1, kSkipSoftmax = 2, kSkipUnitSteps = 4 };
+
+__device__ float score_role(Smem& smem, int refill_wait, int skip) {
   TiledMmaS mma;
   auto thr = mma.get_slice(threadIdx.x % kWgThreads);
   Tensor sQ = make_tensor(make_smem_ptr(smem.q), typename Traits::SmemLayoutQ8{});                 // (BLK_M, 640)
@@ -124,39 +128,61 @@ __device__ float score_role(Smem& smem, int refill_wait) {
       CUTE_UNROLL
       for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
     };
-    issue_unit(4, tSrS);
-    issue_unit(0, tSrU);
-    CUTE_UNROLL
-    for (int v = 1; v < 4; ++v) {
+    if (skip & kSkipUnitSteps) {
+      warpgroup_fence_operand(tSrS);
+      warpgroup_arrive();
+      CUTE_UNROLL
+      for (int unit = 0; unit < 5; ++unit) {
+        CUTE_UNROLL
+        for (int kk = 0; kk < (unit == 4 ? 2 : 4); ++kk) {
+          mma.accumulate_ = unit == 0 && kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma, tSrQ(_, _, unit * 4 + kk), tSrK(_, _, 2 * unit * 4 + kk), tSrS);
+        }
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tSrS);
+      CUTE_UNROLL
+      for (int v = 0; v < 4; ++v) Barrier::arrive(&smem.v_unit_read[stage][v]);
+    } else {
+      issue_unit(4, tSrS);
+      issue_unit(0, tSrU);
+      CUTE_UNROLL
+      for (int v = 1; v < 4; ++v) {
+        add_unit();
+        Barrier::arrive(&smem.v_unit_read[stage][v - 1]);
+        issue_unit(v, tSrU);
+      }
       add_unit();
-      Barrier::arrive(&smem.v_unit_read[stage][v - 1]);
-      issue_unit(v, tSrU);
+      Barrier::arrive(&smem.v_unit_read[stage][3]);
     }
-    add_unit();
-    Barrier::arrive(&smem.v_unit_read[stage][3]);
     // ---- softmax against a lazy reference ------------------------------------------------------------------------
     Tensor S = flash_mla::as_rows_cols(tSrS);                                                       // (ROW, COL)
-    float ref[2], factor[2], page_sum[2];
+    float ref[2], factor[2] = {1.f, 1.f}, page_sum[2] = {0.f, 0.f};
     CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2 && !(skip & kSkipSoftmax); ++r) {
       float m = -INFINITY;
       CUTE_UNROLL
       for (int c = 0; c < size<1>(S); ++c) m = fmaxf(m, S(r, c));
       ref[r] = flash_mla::lazy_reference(row_max[r], flash_mla::quad_max(m), 0.0625f);
       factor[r] = flash_mla::rescale_factor(row_max[r], ref[r], 0.0625f);
     }
-    flash_mla::exponentiate(S, ref, 0.0625f, page_sum);
+    if (!(skip & kSkipSoftmax)) flash_mla::exponentiate(S, ref, 0.0625f, page_sum);
     CUTE_UNROLL
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < 2 && !(skip & kSkipSoftmax); ++r) {
       row_sum[r] = row_sum[r] * factor[r] + page_sum[r];
       row_max[r] = ref[r];
     }
     // ---- P and the factors into the slot, once both halves' P V of the page two back is complete ---------------
     if (page >= kStages) Barrier::wait(&smem.p_free[stage], phase ^ 1);
+    // P by stmatrix (four 8 x 8 fp16 matrices an instruction), as an epilogue stores an accumulator
     Tensor sP = make_tensor(make_smem_ptr(smem.p[stage]), SmemLayoutP{});                          // (BLK_M, BLK_N)
-    Tensor tSsP = thr.partition_C(sP);                                                              // (MMA, 1, 1)
+    Tensor tSrP = make_tensor_like<Half>(tSrS);                                                     // (MMA, 1, 1)
     CUTE_UNROLL
-    for (int i = 0; i < size(tSrS); ++i) tSsP(i) = static_cast<Half>(tSrS(i));
+    for (int i = 0; i < size(tSrS); ++i) tSrP(i) = static_cast<Half>(tSrS(i));
+    auto store_p = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Half>{}, mma);
+    auto thr_store = store_p.get_thread_slice(threadIdx.x % kWgThreads);
+    copy(store_p, thr_store.retile_S(tSrP), thr_store.partition_D(sP));
     smem.factor[stage][threadIdx.x % kWgThreads] = make_float2(factor[0], factor[1]);
     cutlass::arch::fence_view_async_shared();    // P's generic-proxy writes before the P V WGMMAs read them
     Barrier::arrive(&smem.p_full[stage]);
@@ -166,7 +192,7 @@ __device__ float score_role(Smem& smem, int refill_wait) {
 }
 
 template <int kHalf>
-__device__ float half_role(Smem& smem) {
+__device__ float half_role(Smem& smem, int skip) {
   TiledMmaO mma;
   auto thr = mma.get_slice(threadIdx.x % kWgThreads);
   Tensor tOrO = partition_fragment_C(mma, Shape<_64, _256>{});                                      // (MMA, 1, 1)
@@ -180,7 +206,7 @@ __device__ float half_role(Smem& smem) {
     CUTE_UNROLL
     for (int u = 2 * kHalf; u < 2 * kHalf + 2; ++u) {
       Barrier::wait(&smem.v_unit_read[stage][u], phase);
-      Widening::widen_unit(reinterpret_cast<Half*>(smem.page[stage]), u, 64);
+      if (!(skip & kSkipWidening)) Widening::widen_unit(reinterpret_cast<Half*>(smem.page[stage]), u, 64);
     }
     cutlass::arch::fence_view_async_shared();
     __syncwarp();
@@ -219,7 +245,8 @@ __device__ float half_role(Smem& smem) {
   return sum;
 }
 
-__global__ void __launch_bounds__(3 * kWgThreads, 1) pipeline_kernel(int refill_wait, long long* cycles, float* sink) {
+__global__ void __launch_bounds__(3 * kWgThreads, 1) pipeline_kernel(int refill_wait, int skip, long long* cycles,
+                                                                          float* sink) {
   extern __shared__ __align__(1024) char smem_raw[];
   Smem& smem = *reinterpret_cast<Smem*>(smem_raw);
   for (int i = threadIdx.x; i < int(sizeof(Smem)) / 16; i += blockDim.x) {
@@ -240,9 +267,9 @@ __global__ void __launch_bounds__(3 * kWgThreads, 1) pipeline_kernel(int refill_
   const long long start = clock64();
   float sum;
   if (role == kScore) {
-    sum = score_role(smem, refill_wait);
+    sum = score_role(smem, refill_wait, skip);
   } else {
-    sum = role == kHalf0 ? half_role<0>(smem) : half_role<1>(smem);
+    sum = role == kHalf0 ? half_role<0>(smem, skip) : half_role<1>(smem, skip);
   }
   const long long end = clock64();
   if (threadIdx.x % kWgThreads == 0) cycles[blockIdx.x * 3 + role] = end - start;
@@ -261,10 +288,15 @@ int main() {
   CHECK(cudaMalloc(&sink, sms * sizeof(float)));
   std::printf("%s, %d SMs, %d bytes of shared memory a CTA; %d pages a CTA; cycles a page pair, median over CTAs\n",
               prop.name, sms, kBytes, kPages);
-  std::printf("%-34s %10s\n", "refill latency stood in (cycles)", "pair");
-  for (int refill_wait : {0, 800, 1600, 2400}) {
-    pipeline_kernel<<<sms, 3 * kWgThreads, kBytes>>>(refill_wait, cycles, sink);    // warm-up
-    pipeline_kernel<<<sms, 3 * kWgThreads, kBytes>>>(refill_wait, cycles, sink);
+  std::printf("%-34s %-44s %10s\n", "refill latency stood in (cycles)", "left out (timing only)", "pair");
+  const struct { int refill_wait, skip; const char* label; } rows[] = {
+      {0, 0, "-"}, {800, 0, "-"}, {1600, 0, "-"}, {2400, 0, "-"},
+      {0, kSkipWidening, "widening"}, {0, kSkipSoftmax, "softmax"}, {0, kSkipUnitSteps, "S's float32 steps"},
+      {0, kSkipWidening | kSkipSoftmax | kSkipUnitSteps, "all three"}};
+  for (const auto& row : rows) {
+    const int refill_wait = row.refill_wait;
+    pipeline_kernel<<<sms, 3 * kWgThreads, kBytes>>>(refill_wait, row.skip, cycles, sink);    // warm-up
+    pipeline_kernel<<<sms, 3 * kWgThreads, kBytes>>>(refill_wait, row.skip, cycles, sink);
     CHECK(cudaGetLastError());
     CHECK(cudaDeviceSynchronize());
     std::vector<long long> host(sms * 3);
@@ -274,7 +306,7 @@ int main() {
       pair[c] = 2.0 * double(std::max({host[3 * c], host[3 * c + 1], host[3 * c + 2]})) / kPages;
     }
     std::sort(pair.begin(), pair.end());
-    std::printf("%-34d %10.0f\n", refill_wait, pair[sms / 2]);
+    std::printf("%-34d %-44s %10.0f\n", refill_wait, row.label, pair[sms / 2]);
   }
   CHECK(cudaFree(cycles));
   CHECK(cudaFree(sink));
