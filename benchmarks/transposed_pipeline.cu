@@ -1,0 +1,307 @@
+// Pace of a proposed kernel for memory-bound FP8 rows (h_q x s_q <= 16: one 16-row query tile a KV head), with the
+// tile transposed so that the few query rows are WGMMA's N and the 64 keys of a page its M, and V never widened into
+// shared memory (docs/PERF.md "What would close the rest", FP8). Real page streaming (bulk copies of zeros from
+// device memory, a CTA's own run of pages, a ring of kRing pages), real WGMMAs, conversions and softmax; nothing
+// checked for values (zeros in, zeros out). One CTA per SM:
+//
+//   producer (warp 8, one thread): each page's five 8 KiB units (V in four of 128 e4m3 columns, RoPE in the fifth)
+//     by cp.async.bulk into the ring's free buffer, once both... the warpgroup that read it released it
+//   warpgroup w (0, 1): pages w, w + 2, ... independently (a split of the keys; its own O^T, merged at the end):
+//     S^T = K Q^T          e4m3 SS m64n16k32 (A the page, K-major; B Q's 16 rows), a float32 step a unit
+//     softmax over keys    per query column: shuffles within a warp, a warpgroup vote on the lazy reference
+//     P^T -> shared        fp16, stmatrix.trans (16 query rows x 64 keys, the B operand of O^T)
+//     O^T += V^T P^T       fp16 RS m64n16k16, 8 dim blocks x 4 key blocks; A = V^T from the page's e4m3 bytes by
+//                          ldmatrix.trans (byte pairs as b16), prmt and cvt.rn.f16x2.e4m3x2: no fp16 V stored
+//     release the buffer once its O^T WGMMAs are complete
+//
+//   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include \
+//        -I$CUDA_HOME/include/cccl -Icsrc/kernels benchmarks/transposed_pipeline.cu -o /tmp/transposed && /tmp/transposed
+//
+// Prints per configuration the us a page and SM and the fp8 bytes' rate, against the same stream with no compute
+// (the copies' ceiling) and today's kernel (H200, h_q 16 s_q 1: ~1.9 us a page and CTA, docs/PERF.md).
+#include <cuda_runtime.h>
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "softmax.h"
+#include "utils.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#define CHECK(x)                                                                                   \
+  do {                                                                                             \
+    cudaError_t e = (x);                                                                           \
+    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
+  } while (0)
+
+using namespace cute;
+using Barrier = cutlass::arch::ClusterBarrier;
+using Half = cutlass::half_t;
+using E4m3 = cutlass::float_e4m3_t;
+
+constexpr int kWgThreads = 128;
+constexpr int kRing = 4;                                  // page buffers
+constexpr int kUnitBytes = 64 * 128;                      // 64 keys x 128 e4m3 columns
+constexpr int kUnits = 5;                                 // four V units, then RoPE (its columns 64..127 unused)
+constexpr int kPageBytes = kUnits * kUnitBytes;           // 40 KiB in shared memory
+constexpr int kQRows = 16;                                // N of S^T and O^T
+
+// S^T = K Q^T: (64 keys, 16 rows) over 640 e4m3 columns, both operands K-major in shared memory.
+using SmemLayoutPage = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E4m3>{}, Shape<_64, Int<kUnits * 128>>{}));
+using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E4m3>{}, Shape<Int<kQRows>, Int<kUnits * 128>>{}));
+using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<E4m3, E4m3, float, Shape<_64, Int<kQRows>, _128>>()));
+// O^T += V^T P^T: (64 dims, 16 rows) += (64 dims, 16 keys) (16 keys, 16 rows); V^T from registers, P^T (rows, keys)
+// K-major in shared memory.
+using SmemLayoutPt = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<Half>{}, Shape<Int<kQRows>, _64>{}));
+using TiledMmaO = decltype(make_tiled_mma(GMMA::rs_op_selector<Half, Half, float, Shape<_64, Int<kQRows>, _16>>()));
+
+struct Smem {
+  alignas(1024) uint8_t page[kRing][kPageBytes];
+  alignas(1024) E4m3 q[kQRows * kUnits * 128];              // 10 KiB
+  alignas(1024) Half pt[2][kQRows * 64];                     // each warpgroup's P^T, 2 KiB
+  alignas(8) uint64_t full[kRing];
+  alignas(8) uint64_t empty[kRing];
+};
+
+// The A fragment of one m64n16k16 O^T WGMMA (warp w: dims 16 w .. 16 w + 15 of the dim block, keys 16 kb .. + 15):
+// two 8 x 16-byte matrices of e4m3 (keys x dim pairs) transposed by ldmatrix, so that a thread holds, for the dim
+// pair (2 g, 2 g + 1), keys 2 t, 2 t + 1 and 8 + 2 t, 8 + 2 t + 1; prmt splits each register by dim and cvt widens
+// it. The fragment's rows g and g + 8 are then dims 2 g and 2 g + 1: O^T's rows come out in that order (a fixed
+// permutation the epilogue undoes).
+__device__ __forceinline__ void load_vt_fragment(uint32_t page_addr, int dim0, int key0, uint32_t (&a)[4]) {
+  const int lane = threadIdx.x % 32;
+  const int key = key0 + (lane & 15) % 8 + 8 * ((lane & 15) / 8);   // lanes 0-7 matrix 0, 8-15 matrix 1
+  const int unit = dim0 / 128, chunk = (dim0 % 128) / 16;
+  const uint32_t row = page_addr + unit * kUnitBytes + key * 128 + ((chunk ^ (key % 8)) * 16);
+  uint32_t m0, m1;
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(m0), "=r"(m1) : "r"(row));
+  const uint32_t m[2] = {m0, m1};
+  CUTE_UNROLL
+  for (int j = 0; j < 2; ++j) {
+    // m[j] = bytes (key k: dim d, dim d + 1), (key k + 1: d, d + 1) -> (d: k, k + 1), (d + 1: k, k + 1)
+    const uint32_t even = __byte_perm(m[j], 0, 0x0020 | (0x2 << 4) | 0x0);    // bytes 0, 2
+    const uint32_t odd = __byte_perm(m[j], 0, 0x0031 | (0x3 << 4) | 0x1);     // bytes 1, 3
+    uint32_t lo, hi;
+    asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(lo) : "r"(even));
+    asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(hi) : "r"(odd));
+    a[2 * j] = lo;          // row g (dim 2 g), keys 8 j + 2 t, + 1
+    a[2 * j + 1] = hi;      // row g + 8 (dim 2 g + 1)
+  }
+}
+
+template <bool kCompute>
+__device__ float consumer(Smem& smem, int warpgroup, int pages) {
+  TiledMmaS mma_s;
+  TiledMmaO mma_o;
+  const int t = threadIdx.x % kWgThreads;
+  auto thr_s = mma_s.get_slice(t);
+  auto thr_o = mma_o.get_slice(t);
+  Tensor sQ = make_tensor(make_smem_ptr(smem.q), SmemLayoutQ{});                                  // (16, 640)
+  Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                   // (MMA, 1, 20)
+  Tensor sPt = make_tensor(make_smem_ptr(smem.pt[warpgroup]), SmemLayoutPt{});                     // (16, 64)
+  Tensor tOrPt = thr_o.partition_fragment_B(sPt);                                                  // (MMA, 1, 4)
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<_512, Int<kQRows>>{});                           // (MMA, 8, 1)
+  Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<kQRows>>{});                            // (MMA, 1, 1)
+  Tensor tSrU = make_fragment_like(tSrS);
+  // V^T fragments of all eight dim blocks for one key block, two sets (a set is read by WGMMAs in flight)
+  Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<_512, _16>{}));                  // (MMA, 8, 1)
+  Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<_512, _16>{}));                  // (MMA, 8, 1)
+  clear(tOrO);
+  float ref[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, sum = 0.f;
+  const uint32_t pt_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem.pt[warpgroup]));
+  const int warp = t / 32, lane = t % 32;
+#pragma unroll 1
+  for (int page = warpgroup; page < pages; page += 2) {
+    const int buffer = page % kRing;
+    Barrier::wait(&smem.full[buffer], (page / kRing) & 1);
+    if constexpr (kCompute) {
+      Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])), SmemLayoutPage{});
+      Tensor tSrK = thr_s.partition_fragment_A(sK);                                               // (MMA, 1, 20)
+      // ---- S^T = K Q^T, a float32 step a unit ----------------------------------------------------------------
+      CUTE_UNROLL
+      for (int unit = 0; unit < kUnits; ++unit) {
+        auto& acc = unit == 0 ? tSrS : tSrU;
+        warpgroup_fence_operand(acc);
+        warpgroup_arrive();
+        CUTE_UNROLL
+        for (int kk = 0; kk < (unit == kUnits - 1 ? 2 : 4); ++kk) {
+          mma_s.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+          gemm(mma_s, tSrK(_, _, unit * 4 + kk), tSrQ(_, _, unit * 4 + kk), acc);
+        }
+        warpgroup_commit_batch();
+        warpgroup_wait<0>();
+        warpgroup_fence_operand(acc);
+        if (unit > 0) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+        }
+      }
+      // ---- softmax over the page's keys, per query column (a thread: keys g, g + 8 of its warp's 16; columns
+      // 2 t, 2 t + 1, 8 + 2 t, 9 + 2 t). Column maxima within the warp by shuffles; the lazy reference moves only
+      // when a warpgroup vote says some column passed it (zeros here: never after the first page).
+      float col_max[4];
+      CUTE_UNROLL
+      for (int c = 0; c < 4; ++c) {
+        // value i of the fragment: column 2 t + (i & 1) + 8 (i >> 2), key g + 8 ((i >> 1) & 1)
+        float m = fmaxf(tSrS(c % 2 + 4 * (c / 2)), tSrS(c % 2 + 4 * (c / 2) + 2));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 4));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 8));
+        col_max[c] = fmaxf(m, __shfl_xor_sync(0xffffffff, m, 16));
+      }
+      int passed = 0;
+      CUTE_UNROLL
+      for (int c = 0; c < 4; ++c) passed |= flash_mla::lazy_reference(ref[c], col_max[c], 0.0625f) != ref[c];
+      asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n"
+                   " selp.s32 %0, 1, 0, q;\n}" : "=r"(passed) : "r"(passed), "r"(8 + warpgroup));
+      if (passed) {    // a reference moves (the whole warpgroup agrees on each column's; shown here as the max)
+        CUTE_UNROLL
+        for (int c = 0; c < 4; ++c) ref[c] = fmaxf(ref[c] == -INFINITY ? col_max[c] : ref[c], col_max[c]);
+      }
+      uint32_t p[4];
+      CUTE_UNROLL
+      for (int i = 0; i < 4; ++i) {    // values 2 i, 2 i + 1: one key, two adjacent columns (slots c, c + 1)
+        const int c = 2 * (i / 2);
+        const float e0 = exp2f(tSrS(2 * i) * 0.0625f - ref[c] * 0.0625f);
+        const float e1 = exp2f(tSrS(2 * i + 1) * 0.0625f - ref[c + 1] * 0.0625f);
+        sum += e0 + e1;
+        const __half2 h = __floats2half2_rn(e0, e1);
+        p[i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+      // ---- P^T -> shared: four 8 x 8 fp16 matrices (keys x columns), stored transposed (columns x keys) --------
+      {
+        const int matrix = lane / 8, r = lane % 8;
+        const int q = 8 * (matrix / 2) + r;                 // P^T's row: a query column
+        const int key0 = 16 * warp + 8 * (matrix % 2);      // the matrix's first key
+        const uint32_t addr = pt_addr + q * 128 + (((key0 / 8) ^ (q % 8)) * 16);
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                     :: "r"(addr), "r"(p[0]), "r"(p[1]), "r"(p[2]), "r"(p[3]) : "memory");
+      }
+      cutlass::arch::fence_view_async_shared();
+      asm volatile("bar.sync %0, 128;" :: "r"(10 + warpgroup) : "memory");
+      // ---- O^T += V^T P^T -------------------------------------------------------------------------------------
+      const uint32_t page_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer]));
+      auto key_block = [&](int kb, auto& tOrA) {
+        warpgroup_fence_operand(tOrA);
+        CUTE_UNROLL
+        for (int mb = 0; mb < 8; ++mb) {
+          uint32_t a[4];
+          load_vt_fragment(page_addr, 64 * mb + 16 * warp, 16 * kb, a);
+          Tensor words = recast<uint32_t>(tOrA(_, mb, 0));
+          CUTE_UNROLL
+          for (int i = 0; i < 4; ++i) words(i) = a[i];
+        }
+        warpgroup_fence_operand(tOrA);
+        warpgroup_fence_operand(tOrO);
+        warpgroup_arrive();
+        gemm(mma_o, tOrA(_, _, 0), tOrPt(_, _, kb), tOrO);
+        warpgroup_commit_batch();
+        warpgroup_fence_operand(tOrO);
+      };
+      key_block(0, tOrA0);
+      key_block(1, tOrA1);
+      warpgroup_wait<1>();             // key block 0's WGMMAs no longer read tOrA0
+      key_block(2, tOrA0);
+      warpgroup_wait<1>();
+      key_block(3, tOrA1);
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(tOrO);
+    }
+    Barrier::arrive(&smem.empty[buffer]);
+  }
+  CUTE_UNROLL
+  for (int i = 0; i < size(tOrO); ++i) sum += tOrO(i);
+  return sum;
+}
+
+template <bool kCompute>
+__global__ void __launch_bounds__(2 * kWgThreads + 32, 1) transposed_kernel(const uint8_t* cache, int pages,
+                                                                            long long* cycles, float* sink) {
+  extern __shared__ __align__(1024) char smem_raw[];
+  Smem& smem = *reinterpret_cast<Smem*>(smem_raw);
+  for (int i = threadIdx.x; i < int(sizeof(Smem)) / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(smem_raw)[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < kRing; ++b) {
+      Barrier::init(&smem.full[b], 1);
+      Barrier::init(&smem.empty[b], kWgThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  __syncthreads();
+  const long long start = clock64();
+  float sum = 0.f;
+  if (threadIdx.x / kWgThreads == 2) {     // the producer
+    if (threadIdx.x % 32 == 0) {
+      // this CTA's run of pages: 36 KiB of cache a page (RoPE 4 KiB), read as five 8 KiB units (the last one's
+      // second half lies in the next page: bytes that exist and do not matter here)
+      const uint8_t* run = cache + size_t(blockIdx.x) * pages * (36 * 1024);
+#pragma unroll 1
+      for (int page = 0; page < pages; ++page) {
+        const int buffer = page % kRing;
+        if (page >= kRing) Barrier::wait(&smem.empty[buffer], ((page / kRing) & 1) ^ 1);
+        const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&smem.full[buffer]));
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kPageBytes) : "memory");
+        for (int u = 0; u < kUnits; ++u) {
+          const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer] + u * kUnitBytes));
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+                       ::"r"(dst), "l"(run + size_t(page) * (36 * 1024) + u * kUnitBytes), "r"(kUnitBytes), "r"(bar)
+                       : "memory");
+        }
+      }
+    }
+  } else {
+    sum = consumer<kCompute>(smem, threadIdx.x / kWgThreads, pages);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) cycles[blockIdx.x] = clock64() - start;
+  if (sum == 1.2345f) sink[blockIdx.x] = sum;    // never: keeps the work
+}
+
+int main() {
+  cudaDeviceProp prop{};
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  const int sms = prop.multiProcessorCount, pages = 512;
+  constexpr int kBytes = sizeof(Smem);
+  const size_t cache_bytes = size_t(sms) * pages * 36 * 1024 + kUnitBytes;
+  uint8_t* cache = nullptr;
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cache, cache_bytes));
+  CHECK(cudaMemset(cache, 0, cache_bytes));
+  CHECK(cudaMalloc(&cycles, sms * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
+  std::printf("%s, %d SMs, %d bytes of shared memory a CTA, a ring of %d pages, %d pages a CTA (%.0f MB of fp8 cache)\n",
+              prop.name, sms, kBytes, kRing, pages, cache_bytes / 1e6);
+  auto run = [&](auto kernel, const char* label) {
+    CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
+    cudaEvent_t e0, e1;
+    CHECK(cudaEventCreate(&e0));
+    CHECK(cudaEventCreate(&e1));
+    kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(cache, pages, cycles, sink);    // warm-up
+    CHECK(cudaEventRecord(e0));
+    kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(cache, pages, cycles, sink);
+    CHECK(cudaEventRecord(e1));
+    CHECK(cudaGetLastError());
+    CHECK(cudaEventSynchronize(e1));
+    float ms = 0.f;
+    CHECK(cudaEventElapsedTime(&ms, e0, e1));
+    std::vector<long long> host(sms);
+    CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::sort(host.begin(), host.end());
+    std::printf("%-28s %8.3f us a page and SM  %7.0f cycles a page (median CTA)  %6.0f GB/s of fp8 pages\n", label,
+                1e3 * ms / pages, double(host[sms / 2]) / pages, double(sms) * pages * 36 * 1024 / (ms * 1e6));
+  };
+  run(transposed_kernel<false>, "copies only");
+  run(transposed_kernel<true>, "S^T, softmax, O^T");
+  CHECK(cudaFree(cache));
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+  return 0;
+}
