@@ -5,7 +5,7 @@
 // checked for values (zeros in, zeros out). One CTA per SM:
 //
 //   producer (warp 8, one thread): each page's five 8 KiB units (V in four of 128 e4m3 columns, RoPE in the fifth)
-//     by cp.async.bulk into the ring's free buffer, once both... the warpgroup that read it released it
+//     by cp.async.bulk into the ring's next buffer, once the warpgroup that read it released it
 //   warpgroup w (0, 1): pages w, w + 2, ... independently (a split of the keys; its own O^T, merged at the end):
 //     S^T = K Q^T          e4m3 SS m64n16k32 (A the page, K-major; B Q's 16 rows), a float32 step a unit
 //     softmax over keys    per query column: shuffles within a warp, a warpgroup vote on the lazy reference
@@ -84,8 +84,8 @@ __device__ __forceinline__ void load_vt_fragment(uint32_t page_addr, int dim0, i
   CUTE_UNROLL
   for (int j = 0; j < 2; ++j) {
     // m[j] = bytes (key k: dim d, dim d + 1), (key k + 1: d, d + 1) -> (d: k, k + 1), (d + 1: k, k + 1)
-    const uint32_t even = __byte_perm(m[j], 0, 0x0020 | (0x2 << 4) | 0x0);    // bytes 0, 2
-    const uint32_t odd = __byte_perm(m[j], 0, 0x0031 | (0x3 << 4) | 0x1);     // bytes 1, 3
+    const uint32_t even = __byte_perm(m[j], 0, 0x0020);    // bytes 0, 2
+    const uint32_t odd = __byte_perm(m[j], 0, 0x0031);     // bytes 1, 3
     uint32_t lo, hi;
     asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(lo) : "r"(even));
     asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(hi) : "r"(odd));
