@@ -6,7 +6,8 @@
 //
 //   producer (warp 8, one thread): each page's five 8 KiB units (V in four of 128 e4m3 columns, RoPE in the fifth)
 //     by cp.async.bulk into the ring's next buffer, once the warpgroup that read it released it
-//   warpgroup w (0, 1): pages w, w + 2, ... independently (a split of the keys; its own O^T, merged at the end):
+//   warpgroup w (0, 1): pages w, w + 2, ... independently (a split of the keys; its own O^T, merged at the end;
+//                       one configuration runs warpgroup 0 alone on every page, to see what the other costs it):
 //     S^T = K Q^T          e4m3 SS m64n16k32 (A the page, K-major; B Q's 16 rows), a float32 step a unit
 //     softmax over keys    per query column: shuffles within a warp, a warpgroup vote on the lazy reference, the
 //                          warps' maxima through shared memory only when a reference moves
@@ -60,9 +61,10 @@ constexpr int kCachePageBytes = 36 * 1024;                // 576 bytes a token
 // warpgroup's O^T alone is 128 registers a thread, and with S, its partial and a set of V^T fragments ptxas spills
 // 764 bytes at the 168 a thread the launch allows (and serialises the WGMMAs); 32 rows would split O^T's dims between
 // the warpgroups (each on every page, as the seesaw splits O's columns) instead of the pages.
-template <int kRows_, int kRing_>
+template <int kRows_, int kRing_, int kWarpgroups_ = 2>
 struct Config {
   static constexpr int kRows = kRows_, kRing = kRing_;
+  static constexpr int kWarpgroups = kWarpgroups_;        // consumers: pages w, w + kWarpgroups, ... each
   static_assert(kRows == 16, "one 16-row query tile (see above)");
   static constexpr int kSlots = kRows / 4;                // query columns a thread holds: 2 t + {0, 1} + 8 j
   // S^T = K Q^T: (64 keys, kRows) over 640 e4m3 columns, both operands K-major in shared memory.
@@ -141,7 +143,7 @@ __device__ float consumer(typename C::Smem& smem, int warpgroup, int pages, floa
   const uint32_t pt_addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem.pt[warpgroup]));
   const int warp = t / 32, lane = t % 32;
 #pragma unroll 1
-  for (int page = warpgroup; page < pages; page += 2) {
+  for (int page = warpgroup; page < pages; page += C::kWarpgroups) {
     const int buffer = page % C::kRing;
     Barrier::wait(&smem.full[buffer], (page / C::kRing) & 1);
     if constexpr (kCompute) {
@@ -341,7 +343,7 @@ __global__ void __launch_bounds__(2 * kWgThreads + 32, 1) transposed_kernel(cons
         }
       }
     }
-  } else {
+  } else if (threadIdx.x / kWgThreads < C::kWarpgroups) {
     sum = consumer<C, kCompute>(smem, threadIdx.x / kWgThreads, pages, check);
   }
   __syncthreads();
@@ -495,6 +497,7 @@ int main() {
   run(Config<16, 4>{}, true_type{}, "16 rows: S^T, softmax, O^T; ring of 4");
   run(Config<16, 3>{}, true_type{}, "16 rows, ring of 3");
   run(Config<16, 2>{}, true_type{}, "16 rows, ring of 2");
+  run(Config<16, 4, 1>{}, true_type{}, "16 rows, ring of 4, one warpgroup");
   CHECK(cudaFree(cache));
   CHECK(cudaFree(cycles));
   CHECK(cudaFree(sink));
