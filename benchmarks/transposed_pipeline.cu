@@ -17,7 +17,8 @@
 //     release the buffer once its O^T WGMMAs are complete
 //
 //   nvcc -O3 -std=c++17 --expt-relaxed-constexpr -gencode arch=compute_90a,code=sm_90a -I<cutlass>/include \
-//        -I$CUDA_HOME/include/cccl -Icsrc/kernels benchmarks/transposed_pipeline.cu -o /tmp/transposed && /tmp/transposed
+//        -I$CUDA_HOME/include/cccl -Icsrc/kernels benchmarks/transposed_pipeline.cu -o /tmp/transposed \
+//     && /tmp/transposed
 //
 // First checks the values: one CTA on random e4m3 Q and pages (pre-swizzled as TMA would place them), both
 // warpgroups' partial O^T, references and sums merged on the host against a float64 reference (out rel-L2 < 1e-2;
@@ -69,7 +70,8 @@ struct Config {
   static constexpr int kSlots = kRows / 4;                // query columns a thread holds: 2 t + {0, 1} + 8 j
   // S^T = K Q^T: (64 keys, kRows) over 640 e4m3 columns, both operands K-major in shared memory.
   using SmemLayoutPage = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E4m3>{}, Shape<_64, Int<kUnits * 128>>{}));
-  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E4m3>{}, Shape<Int<kRows>, Int<kUnits * 128>>{}));
+  using SmemLayoutQ = decltype(tile_to_shape(GMMA::Layout_K_SW128_Atom<E4m3>{},
+                                             Shape<Int<kRows>, Int<kUnits * 128>>{}));
   using TiledMmaS = decltype(make_tiled_mma(GMMA::ss_op_selector<E4m3, E4m3, float, Shape<_64, Int<kRows>, _128>>()));
   // O^T += V^T P^T: (64 dims, kRows) += (64 dims, 16 keys) (16 keys, kRows); V^T from registers, P^T (rows, keys)
   // K-major in shared memory.
@@ -419,7 +421,9 @@ bool check_values() {
     double m = -1e300;
     for (int key = 0; key < kKeys; ++key) {
       double dot = 0;
-      for (int col = 0; col < 576; ++col) dot += e4m3_value(q[row * 576 + col]) * e4m3_value(k[size_t(key) * 576 + col]);
+      for (int col = 0; col < 576; ++col) {
+        dot += e4m3_value(q[row * 576 + col]) * e4m3_value(k[size_t(key) * 576 + col]);
+      }
       score[key] = dot;
       m = std::max(m, dot);
     }

@@ -542,8 +542,8 @@ int main() {
 
   // The widening's halves take ~64 x 1,000 cycles; the WGMMA streams outlast them (4,096 batches of >= 128 cycles).
   std::printf("\n# the FP8 V widening (fp8_widening.h widen_unit, two units = a V half, 16,384 values) by a third "
-              "warpgroup while both warpgroups stream a shape: clock64 cycles a half (median; the widening's p90), and the same bytes only read (16 KiB) or only written (32 KiB); "
-              "the conversions' floor is 264\n");
+              "warpgroup while both warpgroups stream a shape: clock64 cycles a half (median; the widening's p90), "
+              "and the same bytes only read (16 KiB) or only written (32 KiB); the conversions' floor is 264\n");
   std::printf("%-58s %8s %8s %8s %8s\n", "warpgroups", "widen", "p90", "read", "write");
   report_widen<E64, E64, true>("idle", sms, rounds);
   report_widen<E64, E64, false>(both(E64::name()), sms, rounds);
