@@ -18,11 +18,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e = (x);                                                                           \
-    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int kChains = 8;          // independent dependency chains per thread
 constexpr int kIters = 4096;        // steps per chain

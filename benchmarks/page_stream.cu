@@ -31,11 +31,7 @@
 #include <string>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e = (x);                                                                           \
-    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
-  } while (0)
+#include "cuda_check.h"
 
 constexpr int kPageRows = 64, kCols = 576, kSegCols = 64, kSegments = kCols / kSegCols;    // 9 segments
 constexpr int kSegBytes = kPageRows * kSegCols * 2;                                         // 8 KiB

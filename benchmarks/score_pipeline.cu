@@ -39,11 +39,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e = (x);                                                                           \
-    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
-  } while (0)
+#include "cuda_check.h"
 
 using namespace cute;
 using Traits = flash_mla::SplitKvTraits<cutlass::half_t, cutlass::float_e4m3_t, true>;
@@ -96,7 +92,7 @@ __device__ float score_role(Smem& smem, int refill_wait, int skip) {
   copy(tSsQ, tSrQ);                                                                                 // Q -> registers
   Tensor tSrS = partition_fragment_C(mma, Shape<_64, _64>{});                                       // (MMA, 1, 1)
   Tensor tSrU = make_fragment_like(tSrS);                                                           // (MMA, 1, 1)
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f}, checksum = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 #pragma unroll 1
   for (int page = 0; page < kPages; ++page) {
     const int stage = page % kStages;
@@ -187,8 +183,7 @@ __device__ float score_role(Smem& smem, int refill_wait, int skip) {
     cutlass::arch::fence_view_async_shared();    // P's generic-proxy writes before the P V WGMMAs read them
     Barrier::arrive(&smem.p_full[stage]);
   }
-  checksum = row_sum[0] + row_sum[1];
-  return checksum;
+  return row_sum[0] + row_sum[1];
 }
 
 template <int kHalf>

@@ -41,11 +41,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e = (x);                                                                           \
-    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
-  } while (0)
+#include "cuda_check.h"
 
 using namespace cute;
 using Barrier = cutlass::arch::ClusterBarrier;

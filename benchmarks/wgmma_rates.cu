@@ -37,11 +37,7 @@
 #include <cstdlib>
 #include <vector>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t e = (x);                                                                           \
-    if (e != cudaSuccess) { std::printf("%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e)); std::exit(1); } \
-  } while (0)
+#include "cuda_check.h"
 
 using namespace cute;
 
@@ -330,21 +326,35 @@ __global__ void __launch_bounds__(2 * kWgThreads + 32, 1) access_kernel(int roun
   if (sum != 0.f) sink[blockIdx.x] = sum;    // the operands are zeros: never stores
 }
 
+// What a kernel writes into `slots` clock64 counts: launch(cycles, sink, warm_up) launches it, once with warm_up set
+// and once without (a launcher may skip the first); the second launch's counts come back. One sink float a CTA.
+template <class Launch>
+std::vector<long long> measured_cycles(size_t slots, int ctas, Launch&& launch) {
+  long long* cycles = nullptr;
+  float* sink = nullptr;
+  CHECK(cudaMalloc(&cycles, slots * sizeof(long long)));
+  CHECK(cudaMalloc(&sink, ctas * sizeof(float)));
+  launch(cycles, sink, true);
+  launch(cycles, sink, false);
+  CHECK(cudaGetLastError());
+  CHECK(cudaDeviceSynchronize());
+  std::vector<long long> host(slots);
+  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  CHECK(cudaFree(cycles));
+  CHECK(cudaFree(sink));
+  return host;
+}
+
 template <class A, class B, bool kIdle>
 void report_access(const char* label, int sms, int rounds) {
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
   long long medians[3];
-  long long* cycles = nullptr;
-  float* sink = nullptr;
-  CHECK(cudaMalloc(&cycles, size_t(sms) * kAccesses * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
   auto one = [&](auto kernel, int which) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-    kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, cycles, sink);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-    std::vector<long long> host(size_t(sms) * kAccesses);
-    CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::vector<long long> host = measured_cycles(size_t(sms) * kAccesses, sms, [&](long long* cycles, float* sink,
+                                                                                    bool warm_up) {
+      if (!warm_up) kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, cycles, sink);    // (no warm-up)
+    });
     std::sort(host.begin(), host.end());
     medians[which] = host[host.size() / 2];
   };
@@ -352,8 +362,6 @@ void report_access(const char* label, int sms, int rounds) {
   one(access_kernel<A, B, kIdle, kArrive>, kArrive);
   one(access_kernel<A, B, kIdle, kLoad>, kLoad);
   std::printf("%-58s %8lld %8lld %8lld\n", label, medians[kTryWait], medians[kArrive], medians[kLoad]);
-  CHECK(cudaFree(cycles));
-  CHECK(cudaFree(sink));
 }
 
 // One row: the median cycles a half of each kind of traffic (and the widening's p90).
@@ -361,18 +369,12 @@ template <class A, class B, bool kIdle>
 void report_widen(const char* label, int sms, int rounds) {
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kPageBytes;
   long long median[3], widen_p90 = 0;
-  long long* cycles = nullptr;
-  float* sink = nullptr;
-  CHECK(cudaMalloc(&cycles, size_t(sms) * kWidenHalves * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
   auto one = [&](auto kernel, int which) {
     CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-    kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);    // warm-up
-    kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);
-    CHECK(cudaGetLastError());
-    CHECK(cudaDeviceSynchronize());
-    std::vector<long long> host(size_t(sms) * kWidenHalves);
-    CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+    std::vector<long long> host = measured_cycles(size_t(sms) * kWidenHalves, sms, [&](long long* cycles,
+                                                                                       float* sink, bool) {
+      kernel<<<sms, 3 * kWgThreads, kBytes>>>(rounds, cycles, sink);
+    });
     std::sort(host.begin(), host.end());
     median[which] = host[host.size() / 2];
     if (which == kWidenHalf) widen_p90 = host[host.size() * 9 / 10];
@@ -382,8 +384,6 @@ void report_widen(const char* label, int sms, int rounds) {
   one(widen_kernel<A, B, kIdle, kWriteHalf>, kWriteHalf);
   std::printf("%-58s %8lld %8lld %8lld %8lld\n", label, median[kWidenHalf], widen_p90, median[kReadHalf],
               median[kWriteHalf]);
-  CHECK(cudaFree(cycles));
-  CHECK(cudaFree(sink));
 }
 
 template <class A, class B, bool kIdle>
@@ -391,20 +391,13 @@ void report_copy(const char* label, int sms, int rounds, const char* src) {
   constexpr int kBytes = A::kSmemBytes + B::kSmemBytes + kCopyBytes;
   auto kernel = copy_kernel<A, B, kIdle>;
   CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-  long long* cycles = nullptr;
-  float* sink = nullptr;
-  CHECK(cudaMalloc(&cycles, size_t(sms) * kCopyRefills * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
-  kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, src, cycles, sink);    // warm-up (and the window into L2)
-  kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, src, cycles, sink);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<long long> host(size_t(sms) * kCopyRefills);
-  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  // (the warm-up also brings the window into L2)
+  std::vector<long long> host = measured_cycles(size_t(sms) * kCopyRefills, sms, [&](long long* cycles, float* sink,
+                                                                                     bool) {
+    kernel<<<sms, 2 * kWgThreads + 32, kBytes>>>(rounds, src, cycles, sink);
+  });
   std::sort(host.begin(), host.end());
   std::printf("%-58s %8lld %8lld\n", label, host[host.size() / 2], host[host.size() * 9 / 10]);
-  CHECK(cudaFree(cycles));
-  CHECK(cudaFree(sink));
 }
 
 template <class T, int N, bool kRegisterA, bool kBMnMajor>
@@ -415,21 +408,19 @@ const char* Shape_<T, N, kRegisterA, kBMnMajor>::name() {
   return buf;
 }
 
+// Launches a two-warpgroup kernel of (rounds, cycles, sink): an eighth of the rounds to warm up, then all of them.
+template <class Kernel>
+std::vector<long long> two_warpgroup_cycles(Kernel kernel, int bytes, int sms, int rounds) {
+  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+  return measured_cycles(size_t(sms) * 2, sms, [&](long long* cycles, float* sink, bool warm_up) {
+    kernel<<<sms, 2 * kWgThreads, bytes>>>(warm_up ? rounds / 8 : rounds, cycles, sink);
+  });
+}
+
 template <class A, class B, bool kMix>
 void report(const char* label, int sms, int rounds) {
-  constexpr int kBytes = A::kSmemBytes + B::kSmemBytes;
-  auto kernel = rate_kernel<A, B, kMix>;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-  long long* cycles = nullptr;
-  float* sink = nullptr;
-  CHECK(cudaMalloc(&cycles, sms * 2 * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
-  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds / 8, cycles, sink);    // warm-up
-  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds, cycles, sink);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<long long> host(sms * 2);
-  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  const std::vector<long long> host =
+      two_warpgroup_cycles(rate_kernel<A, B, kMix>, A::kSmemBytes + B::kSmemBytes, sms, rounds);
   const double flop = kMix ? 2.0 * rounds * (9 * A::kBatchFlop + 2 * B::kBatchFlop)
                            : rounds * (A::kBatchFlop + B::kBatchFlop);
   const double peak = (A::kE4m3 && B::kE4m3) ? 8192.0 : 4096.0;
@@ -438,27 +429,14 @@ void report(const char* label, int sms, int rounds) {
   std::sort(rate.begin(), rate.end());
   const double median = rate[sms / 2];
   std::printf("%-58s %8.0f FLOP / clock / SM  %5.1f %% of peak\n", label, median, 100.0 * median / peak);
-  CHECK(cudaFree(cycles));
-  CHECK(cudaFree(sink));
 }
 
 // Cycles per batch of warpgroup 0 (median over CTAs) and the tensor pipe's share of them (a batch's FLOP at the
 // dense peak, both warpgroups' batches counted with kBoth).
 template <class S, bool kBoth, int kInFlight>
 void report_batch(const char* label, int sms, int rounds) {
-  constexpr int kBytes = 2 * S::kSmemBytes;
-  auto kernel = batch_kernel<S, kBoth, kInFlight>;
-  CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBytes));
-  long long* cycles = nullptr;
-  float* sink = nullptr;
-  CHECK(cudaMalloc(&cycles, sms * 2 * sizeof(long long)));
-  CHECK(cudaMalloc(&sink, sms * sizeof(float)));
-  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds / 8, cycles, sink);    // warm-up
-  kernel<<<sms, 2 * kWgThreads, kBytes>>>(rounds, cycles, sink);
-  CHECK(cudaGetLastError());
-  CHECK(cudaDeviceSynchronize());
-  std::vector<long long> host(sms * 2);
-  CHECK(cudaMemcpy(host.data(), cycles, host.size() * sizeof(long long), cudaMemcpyDeviceToHost));
+  const std::vector<long long> host = two_warpgroup_cycles(batch_kernel<S, kBoth, kInFlight>, 2 * S::kSmemBytes, sms,
+                                                           rounds);
   std::vector<double> per_batch(sms);
   for (int c = 0; c < sms; ++c) per_batch[c] = double(host[2 * c]) / rounds;
   std::sort(per_batch.begin(), per_batch.end());
@@ -466,8 +444,6 @@ void report_batch(const char* label, int sms, int rounds) {
   const double peak = S::kE4m3 ? 8192.0 : 4096.0;
   const double busy = (kBoth ? 2 : 1) * S::kBatchFlop / peak;    // tensor cycles of the batches issued meanwhile
   std::printf("%-58s %8.0f cycles a batch  %5.1f %% of peak\n", label, median, 100.0 * busy / median);
-  CHECK(cudaFree(cycles));
-  CHECK(cudaFree(sink));
 }
 
 using Bf16 = cutlass::bfloat16_t;
