@@ -112,6 +112,8 @@ def padded_cases(backend):
     yield from fp8_cases(backend, ragged)
     yield case(f"{backend} fp8 padded, 8-SM plan", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 2, 64, pad_garbage=-1,
                num_sms=8, fp8_q=torch.float8_e4m3fn, seed=15)
+    yield case(f"{backend} fp8 padded, 16 rows, 8-SM plan", [1000, 1, 63, 64, 65, 0, 200] + [0] * 9, 1, 16,
+               pad_garbage=-1, num_sms=8, fp8_q=torch.float8_e4m3fn, sink=True, seed=16)
     yield from long_cases(backend)
 
 
@@ -128,9 +130,11 @@ def small_cases(backend):
 
 
 def fp8_cases(backend, seqlens):
-    """FP8 caches: e4m3 q (widened) and bf16 q (rounded to fp16), one and several row tiles, cut and whole."""
+    """FP8 caches: e4m3 q (the transposed kernel at <= 16 rows, else S on e4m3 and V widened) and bf16 q (rounded
+    to fp16), one and several row tiles, cut and whole."""
     for i, (q_dtype, s_q, h_q, num_sms) in enumerate([(torch.float8_e4m3fn, 1, 16, None), (torch.bfloat16, 2, 64, 1),
-                                                      (torch.float8_e4m3fn, 2, 128, 3)]):
+                                                      (torch.float8_e4m3fn, 2, 128, 3), (torch.float8_e4m3fn, 2, 8, 1),
+                                                      (torch.float8_e4m3fn, 3, 4, 3)]):
         name = f"{backend} fp8 cache, {str(q_dtype).split('.')[-1]} q, s_q={s_q} h_q={h_q} num_sms={num_sms}"
         yield case(name, seqlens, s_q, h_q, num_sms=num_sms, fp8_q=q_dtype, seed=30 + i)
 

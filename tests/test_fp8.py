@@ -59,7 +59,7 @@ from flash_mla.fp8 import FP8_DTYPE, FP8_MAX, MIN_DESCALE  # noqa: E402
 from flash_mla.scheduler import get_mla_metadata_twin  # noqa: E402
 from flash_mla.testing import (  # noqa: E402
     FP8_GARBAGE_CODES, HEAD_DIM_V, assert_close, capture_cuda_graph, compare, make_decode_batch,
-    make_fp8_decode_batch, reference_for)
+    make_fp8_decode_batch, poison_cuda_allocator, reference_for)
 
 try:
     import triton  # noqa: F401
@@ -761,6 +761,32 @@ def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
     out, lse = run(batch, num_sms=num_sms, backend="cuda", attn_sink=sink)
     check(batch, out, lse, f"cuda ragged num_sms={num_sms} h_q={h_q}", attn_sink=sink,
           ref=reference_for(batch.dequantized(), None, attn_sink=sink, on_device=True))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("num_sms", [1, 7, 132])
+@pytest.mark.parametrize("s_q,h_q,h_kv,causal", [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True),
+                                                 (1, 8, 2, False), (3, 4, 1, True), (1, 1, 1, False)])
+def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal):
+    """At most 16 packed query rows per KV head with an fp8 q: the transposed kernel (csrc/kernels/transposed_*.h;
+    16, 12, 4 and 1 rows, causal across s_q tokens, two KV heads). One SM part walks every piece (the producer's
+    ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0 rows merge nothing), 7
+    and 132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory,
+    an attention sink."""
+    cuda_fp8_or_skip()
+    lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049, 0]
+    batch = make(lengths, s_q, h_q, h_kv, FP8, (0.01, 37.0), causal, seed=330 + num_sms + 10 * s_q + h_q + h_kv,
+                 device="cuda")
+    sink = torch.randn(h_q, device="cuda") * 2
+    md, _ = plan(batch, num_sms)
+    poison_cuda_allocator(2 * (len(lengths) + md.shape[0]) * h_kv * rows_of(batch) * 512 * 4 +
+                          len(lengths) * s_q * h_q * 512 * 2)
+    out, lse = run(batch, num_sms=num_sms, backend="cuda", attn_sink=sink)
+    check(batch, out, lse, f"cuda transposed num_sms={num_sms} s_q={s_q} h_q={h_q} h_kv={h_kv} causal={causal}",
+          attn_sink=sink, ref=reference_for(batch.dequantized(), None, attn_sink=sink, on_device=True))
+    again = run(batch, num_sms=num_sms, backend="cuda", attn_sink=sink)
+    assert torch.equal(again[0], out) and torch.equal(again[1], lse)      # deterministic
 
 
 @pytest.mark.gpu

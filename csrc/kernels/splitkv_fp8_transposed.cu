@@ -1,0 +1,129 @@
+// The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 16 packed query rows per KV head): the
+// kernel shell and its launcher. The parts:
+//   transposed_traits.h     tile, layouts, WGMMA shapes, shared memory, named barriers
+//   transposed_mainloop.h   the producer warp's copies and a computing warpgroup's page (schedule at its top)
+//   transposed_epilogue.h   the two warpgroups' merge and the writes
+//   tile_scheduler.h        which pieces a CTA owns (the same plan as the split-KV kernel)
+// Grid: (1, KV head, SM part), one CTA per SM; 384 threads = two computing warpgroups and a producer warpgroup
+// (one warp of it issues the copies).
+#include <cuda_runtime.h>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+#include <cutlass/arch/grid_dependency_control.h>
+#include <cutlass/arch/reg_reconfig.h>
+
+#include <cstring>
+
+#include "kv_cache_tma.h"
+#include "launch.h"
+#include "params.h"
+#include "softmax.h"
+#include "tile_scheduler.h"
+#include "transposed_epilogue.h"
+#include "transposed_mainloop.h"
+#include "transposed_traits.h"
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
+
+__global__ void __launch_bounds__(TransposedTraits::kThreads, 1)
+    mla_splitkv_fp8_transposed_kernel(const __grid_constant__ DecodeParams params) {
+  using Traits = TransposedTraits;
+  using Mainloop = TransposedMainloop<Traits>;
+  using Epilogue = TransposedEpilogue<Traits>;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  extern __shared__ __align__(1024) char smem_raw[];
+  auto& smem = *reinterpret_cast<Traits::SharedStorage*>(smem_raw);
+
+  // Both Q slots zeroed once: a tile's rows past rows_per_kv are never copied, and S^T reads them.
+  for (int i = threadIdx.x; i < int(sizeof(smem.q)) / 16; i += blockDim.x) {
+    reinterpret_cast<uint4*>(smem.q)[i] = make_uint4(0, 0, 0, 0);
+  }
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < Traits::kRing; ++b) {
+      Barrier::init(&smem.page_full[b], 1);                                   // the producer's arrival + bytes
+      Barrier::init(&smem.page_empty[b], Traits::kWarpgroupThreads);          // the consuming warpgroup
+    }
+    for (int s = 0; s < Traits::kQSlots; ++s) {
+      Barrier::init(&smem.q_full[s], 32);                                     // the producer warp's cp.async
+      Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
+    }
+    cutlass::arch::fence_barrier_init();
+    cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
+  }
+  cutlass::arch::fence_view_async_shared();    // the zeros (generic proxy) before the WGMMAs read them
+
+  // Launched as a programmatic dependent of the kernel before it (launcher): everything above touched only this
+  // CTA's shared memory; every input may be that kernel's output.
+  cutlass::arch::wait_on_dependent_grids();
+  cutlass::arch::launch_dependent_grids();
+  const float descale_k = params.descale_k != nullptr ? *params.descale_k : 1.f;
+  const float descale_q = params.descale_q != nullptr ? *params.descale_q : 1.f;
+  const SplitKvScales scales{params.scale_log2 * descale_q * descale_k, descale_k};
+
+  const int kv_head = blockIdx.y;
+  const PieceRange<> range(params, blockIdx.z);
+  if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
+  __syncthreads();
+
+  const int role = threadIdx.x / Traits::kWarpgroupThreads;
+  if (role == static_cast<int>(TransposedRole::kProducer)) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
+    if (threadIdx.x % Traits::kWarpgroupThreads < 32) Mainloop::produce(params, smem, range, kv_head);
+    return;
+  }
+  cutlass::arch::warpgroup_reg_alloc<Traits::kComputeRegisters>();
+
+  // ---- a computing warpgroup: its pages of each piece, then the piece's epilogue ---------------------------------
+  using namespace cute;
+  const int warpgroup = role;
+  typename Traits::TiledMmaO mma_o;
+  Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kHeadDimV>, Int<Traits::kRows>>{});       // (MMA, 8, 1)
+  int stream_page = 0, q_count = 0;
+#pragma unroll 1
+  for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+    const Piece piece = range.piece(seq);
+    const int pages = piece.num_pages();
+    ColumnStats stats;
+    CUTE_UNROLL
+    for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
+    clear(tOrO);
+    if (pages > 0) {
+      const int q_slot = q_count % Traits::kQSlots;
+      Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
+      cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
+#pragma unroll 1
+      for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
+        const int n = stream_page + page, buffer = n % Traits::kRing;
+        Barrier::wait(&smem.page_full[buffer], (n / Traits::kRing) & 1);
+        Mainloop::page(params, scales, smem, warpgroup, buffer, q_slot, piece,
+                       piece.begin + page * kPageBlockSize, tOrO, stats);
+        Barrier::arrive(&smem.page_empty[buffer]);
+      }
+      Barrier::arrive(&smem.q_empty[q_slot]);
+      ++q_count;
+      stream_page += pages;
+    }
+    if (warpgroup == 0) {
+      Epilogue::write<0>(params, scales, smem, piece, kv_head, tOrO, stats);
+    } else {
+      Epilogue::write<1>(params, scales, smem, piece, kv_head, tOrO, stats);
+    }
+  }
+}
+
+void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void* stream) {
+  using Traits = TransposedTraits;
+  DecodeParams params = binding_params;
+  encode_kv_cache_tma(params, CacheDtype::kE4m3);
+  params.out_by_tma = false;
+  auto kernel = mla_splitkv_fp8_transposed_kernel;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
+  // One row tile per KV head: launched as a programmatic dependent, as the split-KV kernel's one-tile grids are
+  // (splitkv_kernel.h).
+  const dim3 grid(1, params.num_heads_k, params.num_sm_parts), block(Traits::kThreads);
+  launch_kernel(kernel, grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream), /*programmatic=*/true,
+                /*cluster_x=*/1, params);
+}
+
+FLASH_MLA_NAMESPACE_END  // flash_mla

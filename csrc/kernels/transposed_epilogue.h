@@ -1,0 +1,140 @@
+// Epilogue of the transposed FP8 kernel: at the end of each piece the two computing warpgroups, which took
+// alternate pages of it, merge their partial results and write them.
+//   1. each warpgroup posts its column references and per-warp column sums        (kPieceStatsWritten)
+//   2. both compute the common reference per column, the factor that moves each warpgroup's part to it, and the
+//      total; each scales its O^T and hands the other the dim blocks that one finishes (kExchangeWritten):
+//      warpgroup w finishes dims [256 w, + 256)
+//   3. each normalises its dims and writes them: unsplit pieces out (bf16, attention sink applied) and lse,
+//      split ones fp32 partials and lse to the piece's workspace slot (the combine kernel reads them)
+// A piece with no pages, or a warpgroup that got none of its pages, has references -inf and sums 0: it adds
+// nothing, and a column no key reached gets out 0 and lse -inf.
+#pragma once
+
+#include <cute/tensor.hpp>
+
+#include "params.h"
+#include "softmax.h"
+#include "tile_scheduler.h"
+#include "transposed_mainloop.h"
+#include "transposed_traits.h"
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
+
+template <class Traits = TransposedTraits>
+struct TransposedEpilogue {
+  using SharedStorage = typename Traits::SharedStorage;
+  static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+  static constexpr int kSlots = Traits::kSlots;
+  static constexpr int kMergeThreads = Traits::kComputeWarpgroups * kWgThreads;
+  static constexpr float kLn2 = 0.6931471805599453f;
+
+  // tOrO: warpgroup kWarpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in
+  // load_vt_fragment's dim order; `stats` its references and this thread's sums. Leaves tOrO scaled (the caller
+  // clears it). The warpgroup is a template parameter: the dim blocks it hands over and keeps must be compile-time
+  // indices of tOrO (a runtime one put all of tOrO on the stack).
+  template <int kWarpgroup, class TensorO>
+  __device__ __forceinline__ static void write(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
+                                               const Piece& piece, int kv_head, TensorO& tOrO,
+                                               const ColumnStats& stats) {
+    constexpr int warpgroup = kWarpgroup, other = 1 - kWarpgroup;
+    const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32, quad_lane = lane % 4;
+
+    // ---- 1. references and per-warp sums -----------------------------------------------------------------------
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) {
+      float sum = stats.sum[c];    // over the warp's lanes of the column (lane / 4 = the key within 8)
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 8);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 16);
+      if (lane < 4) smem.piece_sum[warpgroup][warp][column_of(c, lane)] = sum;
+      if (lane < 4 && warp == 0) smem.piece_ref[warpgroup][column_of(c, lane)] = stats.ref[c];
+    }
+    named_sync(barrier_id(TransposedBarrier::kPieceStatsWritten), kMergeThreads);
+
+    // ---- 2. the common reference, both parts moved to it, and the hand-over ------------------------------------
+    float top[kSlots], total[kSlots], own_factor[kSlots];
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) {
+      const int col = column_of(c, quad_lane);
+      const float ref[2] = {smem.piece_ref[0][col], smem.piece_ref[1][col]};
+      top[c] = fmaxf(ref[0], ref[1]);
+      total[c] = 0.f;
+      CUTE_UNROLL
+      for (int w = 0; w < Traits::kComputeWarpgroups; ++w) {
+        const float factor = rescale_factor(ref[w], top[c], scales.score_log2);    // 0 for a part that saw no key
+        float sum = 0.f;
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) sum += smem.piece_sum[w][k][col];
+        total[c] += factor * sum;
+        if (w == warpgroup) own_factor[c] = factor;
+      }
+    }
+    CUTE_UNROLL
+    for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) tOrO(i, mb, 0) *= own_factor[slot_of(i)];
+    }
+    CUTE_UNROLL
+    for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
+      const int mb = Traits::kExchangeBlocks * other + k;
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        smem.exchange[warpgroup][2 * k + h][t] = make_float4(tOrO(4 * h, mb, 0), tOrO(4 * h + 1, mb, 0),
+                                                             tOrO(4 * h + 2, mb, 0), tOrO(4 * h + 3, mb, 0));
+      }
+    }
+    named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
+    CUTE_UNROLL
+    for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
+      const int mb = Traits::kExchangeBlocks * warpgroup + k;
+      CUTE_UNROLL
+      for (int h = 0; h < 2; ++h) {
+        const float4 v = smem.exchange[other][2 * k + h][t];
+        tOrO(4 * h, mb, 0) += v.x;
+        tOrO(4 * h + 1, mb, 0) += v.y;
+        tOrO(4 * h + 2, mb, 0) += v.z;
+        tOrO(4 * h + 3, mb, 0) += v.w;
+      }
+    }
+
+    // ---- 3. normalise and write: a thread holds dims (2 g, 2 g + 1) of each dim block's warp rows ---------------
+    const int dim_pair = 16 * warp + 2 * (lane / 4);
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) {
+      const int row = column_of(c, quad_lane);    // the packed query row
+      if (row >= p.rows_per_kv) continue;
+      const bool seen = !(total[c] == 0.f);       // a NaN total stays NaN in out and lse
+      const float lse = seen ? (exp2_base(top[c], scales.score_log2) + log2f(total[c])) * kLn2 : -INFINITY;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      float inv = seen ? scales.out / total[c] : 0.f;
+      if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[head] - lse);
+      const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
+      if (!piece.split) {
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
+                             ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV;
+        CUTE_UNROLL
+        for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
+          const int mb = Traits::kExchangeBlocks * warpgroup + k;
+          *reinterpret_cast<__nv_bfloat162*>(out + 64 * mb + dim_pair) =
+              __floats2bfloat162_rn(tOrO(i, mb, 0) * inv, tOrO(i + 2, mb, 0) * inv);
+        }
+        if (warpgroup == 0 && warp == 0 && lane < 4) {
+          p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+        }
+      } else {
+        const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
+        float* out = p.o_partial + partial_row * kHeadDimV;
+        CUTE_UNROLL
+        for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
+          const int mb = Traits::kExchangeBlocks * warpgroup + k;
+          *reinterpret_cast<float2*>(out + 64 * mb + dim_pair) =
+              make_float2(tOrO(i, mb, 0) * inv, tOrO(i + 2, mb, 0) * inv);
+        }
+        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse_partial[partial_row] = lse;
+      }
+    }
+  }
+};
+
+FLASH_MLA_NAMESPACE_END  // flash_mla

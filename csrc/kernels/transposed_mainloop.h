@@ -1,0 +1,343 @@
+// Mainloop of the transposed FP8 kernel (transposed_traits.h): the producer warp's copies and a computing
+// warpgroup's pages. The schedule, per CTA (one per SM; the CTA's stream is the pages of its pieces in order):
+//
+//   producer warp                           warpgroup w (0, 1): stream pages n = w, w + 2, ...
+//   -------------                           -------------------------------------------------
+//   per piece with pages:                   per piece:
+//     wait q_empty[slot]; Q by cp.async  ->   wait q_full[slot]
+//       (32 lanes; arrive q_full)             per own page n of the piece:
+//     per page n:                               wait page_full[n % ring]
+//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5)
+//       5 TMA boxes -> page_full                mask (partial / causal pages), column maxima,
+//                                               vote: did a column pass its reference? (bar.red.or)
+//                                                 if so: the warps' maxima via shared memory, O^T and sums
+//                                                 rescaled to the new reference
+//                                               P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
+//                                               O^T += V^T P^T     4 key blocks, 8 dim blocks each, V^T
+//                                                                  widened into registers one key block
+//                                                                  ahead of the WGMMAs that read it
+//                                               arrive page_empty[n % ring] (its O^T WGMMAs complete)
+//                                             arrive q_empty[slot]
+//                                             epilogue (both warpgroups: merge, normalise, write)
+//
+// The two warpgroups keep separate references, sums and O^T per piece (a split of the piece's keys, merged at its
+// end: transposed_epilogue.h), so neither ever waits for the other inside a piece.
+#pragma once
+
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include <climits>
+
+#include "params.h"
+#include "softmax.h"
+#include "tile_scheduler.h"
+#include "transposed_traits.h"
+#include "utils.h"
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
+
+// A computing warpgroup's running softmax state per query column it holds (slot c: column column_of(c, lane % 4)).
+struct ColumnStats {
+  float ref[TransposedTraits::kSlots];    // references (raw scores; softmax.h lazy_reference), the same in each warp
+  float sum[TransposedTraits::kSlots];    // this thread's part of the column sums, relative to exp2(ref * scale)
+};
+
+// Accumulator value i of an m64n16 fragment (S^T or an O^T dim block): row (key or dim) 16 warp + lane / 4 +
+// 8 ((i >> 1) & 1), column 2 (lane % 4) + (i & 1) + 8 (i >> 2); slot (i & 1) + 2 (i >> 2) of the thread's four.
+__device__ __forceinline__ constexpr int slot_of(int i) { return (i & 1) + 2 * (i >> 2); }
+__device__ __forceinline__ constexpr int column_of(int slot, int quad_lane) {
+  return 2 * quad_lane + (slot & 1) + 8 * (slot >> 1);
+}
+
+template <class Traits = TransposedTraits>
+struct TransposedMainloop {
+  using SharedStorage = typename Traits::SharedStorage;
+  using Barrier = cutlass::arch::ClusterBarrier;
+  using E4m3 = typename Traits::E4m3;
+  using Half = typename Traits::Half;
+  static constexpr int kRing = Traits::kRing;
+  static constexpr int kQSlots = Traits::kQSlots;
+  static constexpr int kWgThreads = Traits::kWarpgroupThreads;
+  static constexpr int kSlots = Traits::kSlots;
+  // Evict-first: the cache is streamed once, by one row tile per KV head.
+  static constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
+
+  // ========================================= producer (one warp) =============================================
+
+  // Pages of the CTA's stream into the ring, Q tiles into their slots. The block table is read 32 entries at a
+  // time (a lane each) so that no copy waits for a block id's load.
+  __device__ __forceinline__ static void produce(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
+    const int lane = threadIdx.x % 32;
+    int stream_page = 0, q_count = 0;
+#pragma unroll 1
+    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+      const Piece piece = range.piece(seq);
+      const int pages = piece.num_pages();
+      if (pages == 0) continue;
+      load_q(p, smem, piece.seq, kv_head, q_count++);
+      int block = 0;
+#pragma unroll 1
+      for (int page = 0; page < pages; ++page, ++stream_page) {
+        if (page % 32 == 0) block = page + lane < pages ? range.page_of(piece, page + lane).block : 0;
+        const int page_block = __shfl_sync(0xffffffffu, block, page % 32);
+        const int buffer = stream_page % kRing;
+        if (stream_page >= kRing) Barrier::wait(&smem.page_empty[buffer], ((stream_page / kRing) & 1) ^ 1);
+        if (lane == 0) {
+          uint64_t* full = &smem.page_full[buffer];
+          cutlass::arch::ClusterTransactionBarrier::arrive_and_expect_tx(full, Traits::kPageBytes);
+          CUTE_UNROLL
+          for (int unit = 0; unit < Traits::kUnits; ++unit) {
+            cute::SM90_TMA_LOAD_4D::copy(p.k_cache_tma, full, kEvictFirst, smem.page[buffer] + unit * Traits::kUnitBytes,
+                                         unit * Traits::kUnitCols, 0, kv_head, page_block);
+          }
+        }
+      }
+    }
+  }
+
+  // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
+  // in SmemLayoutQ, by cp.async from all 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
+  // kernel zeroes both slots once); columns 576..639 are never read.
+  __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
+    using namespace cute;
+    const int slot = q_count % kQSlots;
+    if (q_count >= kQSlots) Barrier::wait(&smem.q_empty[slot], ((q_count / kQSlots) & 1) ^ 1);
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
+    const uint8_t* q = static_cast<const uint8_t*>(p.q) + int64_t(seq) * p.q_batch_stride;
+#pragma unroll 1
+    for (int chunk = threadIdx.x % 32; chunk < p.rows_per_kv * Traits::kQChunksPerRow; chunk += 32) {
+      const int row = chunk / Traits::kQChunksPerRow, col = chunk % Traits::kQChunksPerRow * 16;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      cp_async_16_zfill(&sQ(row, col), q + token * p.q_token_stride + head * p.q_head_stride + col, true);
+    }
+    cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
+  }
+
+  // ====================================== a computing warpgroup =============================================
+
+  // One page: S^T, softmax, O^T += V^T P^T. `key0`: the page's first key (token index); keys at or past `end`
+  // (the piece's end), and with causal masking past each column's last visible key, do not count.
+  template <class TensorO>
+  __device__ __forceinline__ static void page(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem, int warpgroup,
+                              int buffer, int q_slot, const Piece& piece, int key0, TensorO& tOrO, ColumnStats& stats) {
+    using namespace cute;
+    typename Traits::TiledMmaS mma_s;
+    const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
+    auto thr_s = mma_s.get_slice(t);
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot])),
+                            typename Traits::SmemLayoutQ{});                                     // (16, 640)
+    Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])),
+                            typename Traits::SmemLayoutPage{});                                  // (64, 640)
+    Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                // (MMA, 1, 20)
+    Tensor tSrK = thr_s.partition_fragment_A(sK);                                                // (MMA, 1, 20)
+    Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kRows>>{});                 // (MMA, 1, 1)
+    Tensor tSrU = make_fragment_like(tSrS);                                                      // a unit's part
+
+    // ---- S^T = K Q^T: e4m3 WGMMAs keep ~14 bits while accumulating, so each 128-column unit's partial sum is
+    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound) -----------------------------
+    CUTE_UNROLL
+    for (int unit = 0; unit < Traits::kUnits; ++unit) {
+      auto& acc = unit == 0 ? tSrS : tSrU;
+      warpgroup_fence_operand(acc);
+      warpgroup_arrive();
+      constexpr int kSteps = Traits::kUnitCols / 32;
+      CUTE_UNROLL
+      for (int kk = 0; kk < (unit == Traits::kUnits - 1 ? (kHeadDimQK % Traits::kUnitCols) / 32 : kSteps); ++kk) {
+        mma_s.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+        gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQ(_, _, unit * kSteps + kk), acc);
+      }
+      warpgroup_commit_batch();
+      warpgroup_wait<0>();
+      warpgroup_fence_operand(acc);
+      if (unit > 0) {
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+      }
+    }
+
+    // ---- masks: only a piece's last page, and with causal masking the pages holding its last s_q keys ---------
+    const int page_last = key0 + kPageBlockSize - 1;
+    const int first_causal_limit = piece.length - p.seqlen_q;    // column 0's last visible key
+    if (!(page_last < piece.end && (!p.causal || page_last <= first_causal_limit))) {
+      CUTE_UNROLL
+      for (int i = 0; i < size(tSrS); ++i) {
+        const int key = key0 + 16 * warp + lane / 4 + 8 * ((i >> 1) & 1);
+        const int last = p.causal ? first_causal_limit + column_of(slot_of(i), lane % 4) / p.heads_per_kv : INT_MAX;
+        if (!(key < piece.end && key <= last)) tSrS(i) = -INFINITY;
+      }
+    }
+
+    // ---- softmax over the page's keys, per query column: maxima within the warp by shuffles; the lazy reference
+    // moves only when a warpgroup vote says some column passed it ---------------------------------------------
+    float col_max[kSlots];
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) {
+      const int i = (c & 1) + 4 * (c >> 1);
+      float m = fmaxf(tSrS(i), tSrS(i + 2));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+      m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+      col_max[c] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+    }
+    int passed = 0;
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) passed |= lazy_reference(stats.ref[c], col_max[c], scales.score_log2) != stats.ref[c];
+    passed = vote_any(passed, barrier_id(TransposedBarrier::kReferenceVote, warpgroup));
+    if (passed) move_references(scales, smem, warpgroup, col_max, tOrO, stats);
+
+    uint32_t probs[Traits::kRows / 4];    // fp16 pairs: register j holds values 2 j, 2 j + 1 (one key, two columns)
+    CUTE_UNROLL
+    for (int j = 0; j < Traits::kRows / 4; ++j) {
+      const int c = slot_of(2 * j);
+      const float e0 = exp2f(tSrS(2 * j) * scales.score_log2 - exp2_base(stats.ref[c], scales.score_log2));
+      const float e1 = exp2f(tSrS(2 * j + 1) * scales.score_log2 - exp2_base(stats.ref[c + 1], scales.score_log2));
+      stats.sum[c] += e0;
+      stats.sum[c + 1] += e1;
+      const __half2 h = __floats2half2_rn(e0, e1);
+      probs[j] = *reinterpret_cast<const uint32_t*>(&h);
+    }
+    store_pt(smem, warpgroup, probs);
+
+    // ---- O^T += V^T P^T ---------------------------------------------------------------------------------------
+    const int valid_keys = piece.end - key0;
+    if (valid_keys < kPageBlockSize) {
+      accumulate_o<true>(smem, warpgroup, buffer, valid_keys, tOrO);
+    } else {
+      accumulate_o<false>(smem, warpgroup, buffer, valid_keys, tOrO);
+    }
+  }
+
+ private:
+  // True in every thread of the warpgroup if `flag` is nonzero in any of its threads.
+  __device__ __forceinline__ static int vote_any(int flag, uint32_t barrier) {
+    int any;
+    asm volatile("{\n .reg .pred p, q;\n setp.ne.s32 p, %1, 0;\n bar.red.or.pred q, %2, 128, p;\n"
+                 " selp.s32 %0, 1, 0, q;\n}" : "=r"(any) : "r"(flag), "r"(barrier));
+    return any;
+  }
+
+  // Some column's maximum passed its reference: the warps' column maxima through shared memory, the same new
+  // reference in every warp, and O^T's columns and the sums moved to it. The warpgroup's O^T WGMMAs of its page
+  // before are complete (waited at that page's end).
+  template <class TensorO>
+  __device__ __forceinline__ static void move_references(const SplitKvScales& scales, SharedStorage& smem, int warpgroup,
+                                         const float (&col_max)[kSlots], TensorO& tOrO, ColumnStats& stats) {
+    const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
+    if (lane < 4) {
+      CUTE_UNROLL
+      for (int c = 0; c < kSlots; ++c) smem.col_max[warpgroup][warp][column_of(c, lane)] = col_max[c];
+    }
+    named_sync(barrier_id(TransposedBarrier::kColMaxWritten, warpgroup), kWgThreads);
+    float factor[kSlots];
+    CUTE_UNROLL
+    for (int c = 0; c < kSlots; ++c) {
+      float m = -INFINITY;
+      CUTE_UNROLL
+      for (int w = 0; w < 4; ++w) m = fmaxf(m, smem.col_max[warpgroup][w][column_of(c, lane % 4)]);
+      const float moved = lazy_reference(stats.ref[c], m, scales.score_log2);
+      factor[c] = rescale_factor(stats.ref[c], moved, scales.score_log2);
+      stats.ref[c] = moved;
+      stats.sum[c] *= factor[c];
+    }
+    named_sync(barrier_id(TransposedBarrier::kColMaxRead, warpgroup), kWgThreads);
+    CUTE_UNROLL
+    for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
+      CUTE_UNROLL
+      for (int i = 0; i < 8; ++i) tOrO(i, mb, 0) *= factor[slot_of(i)];
+    }
+  }
+
+  // P^T into the warpgroup's (16 rows, 64 keys) fp16 buffer: 8 x 8 matrices (keys x columns) stored transposed,
+  // four a stmatrix; register j is the matrix of keys 16 warp + 8 (j & 1) .. + 7 and columns 8 (j >> 1) .. + 7.
+  __device__ __forceinline__ static void store_pt(SharedStorage& smem, int warpgroup, const uint32_t (&probs)[Traits::kRows / 4]) {
+    const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
+    const uint32_t pt = static_cast<uint32_t>(__cvta_generic_to_shared(smem.pt[warpgroup]));
+    CUTE_UNROLL
+    for (int s = 0; s < Traits::kRows / 16; ++s) {
+      const int j = 4 * s + lane / 8;
+      const int row = 8 * (j >> 1) + lane % 8;               // P^T's row: a query column
+      const int key0 = 16 * warp + 8 * (j & 1);              // the matrix's first key
+      const uint32_t addr = pt + row * 128 + (((key0 / 8) ^ (row % 8)) * 16);    // SmemLayoutPt, 128-byte swizzle
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
+                   :: "r"(addr), "r"(probs[4 * s]), "r"(probs[4 * s + 1]), "r"(probs[4 * s + 2]), "r"(probs[4 * s + 3])
+                   : "memory");
+    }
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
+    named_sync(barrier_id(TransposedBarrier::kPtWritten, warpgroup), kWgThreads);
+  }
+
+  // The A fragment of one m64n16k16 O^T WGMMA (warp w: dims dim0 .. dim0 + 15, keys key0 .. key0 + 15): two 8 x 16-
+  // byte matrices of e4m3 (keys x dim pairs) transposed by ldmatrix, so that a thread holds, for the dim pair
+  // (2 g, 2 g + 1) (g = lane / 4), keys 2 t, 2 t + 1 and 8 + 2 t, 9 + 2 t (t = lane % 4); prmt splits each register
+  // by dim and cvt widens it. The fragment's rows g and g + 8 are then dims 2 g and 2 g + 1 (the RS A layout: a0
+  // (g, 2 t), a1 (g + 8, 2 t), a2 (g, 8 + 2 t), a3 (g + 8, 8 + 2 t)): O^T's rows come out in that order, which the
+  // epilogue undoes (dim_of_row). kTail: keys at or past valid_keys become zeros (a partial page: the cache's slots
+  // past a sequence's end may hold NaN, and P = 0 times NaN would be NaN).
+  template <bool kTail>
+  __device__ __forceinline__ static void load_vt_fragment(uint32_t page, int dim0, int key0, int valid_keys, uint32_t (&a)[4]) {
+    const int lane = threadIdx.x % 32;
+    const int key = key0 + (lane & 15);                     // lanes 0-7 address matrix 0's rows, 8-15 matrix 1's
+    const int unit = dim0 / Traits::kUnitCols, chunk = (dim0 % Traits::kUnitCols) / 16;
+    const uint32_t row = page + unit * Traits::kUnitBytes + key * 128 + ((chunk ^ (key % 8)) * 16);
+    uint32_t m[2];
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(m[0]), "=r"(m[1]) : "r"(row));
+    CUTE_UNROLL
+    for (int j = 0; j < 2; ++j) {
+      if constexpr (kTail) {
+        // m[j] = bytes (key k: dim d, dim d + 1), (key k + 1: d, d + 1), k = key0 + 8 j + 2 t
+        const int k = key0 + 8 * j + 2 * (lane % 4);
+        m[j] = k >= valid_keys ? 0u : k + 1 >= valid_keys ? (m[j] & 0xffffu) : m[j];
+      }
+      // -> (d: k, k + 1), (d + 1: k, k + 1)
+      const uint32_t even = __byte_perm(m[j], 0, 0x0020);    // bytes 0, 2
+      const uint32_t odd = __byte_perm(m[j], 0, 0x0031);     // bytes 1, 3
+      asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(a[2 * j]) : "r"(even));
+      asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(a[2 * j + 1]) : "r"(odd));
+    }
+  }
+
+  // O^T += V^T P^T over the page's four key blocks: two sets of V^T fragments, one read by the WGMMAs in flight
+  // while the other is loaded; returns with every WGMMA complete (the page and P^T may be overwritten).
+  template <bool kTail, class TensorO>
+  __device__ __forceinline__ static void accumulate_o(SharedStorage& smem, int warpgroup, int buffer, int valid_keys, TensorO& tOrO) {
+    using namespace cute;
+    typename Traits::TiledMmaO mma_o;
+    const int t = threadIdx.x % kWgThreads, warp = t / 32;
+    auto thr_o = mma_o.get_slice(t);
+    Tensor sPt = make_tensor(make_smem_ptr(smem.pt[warpgroup]), typename Traits::SmemLayoutPt{});    // (16, 64)
+    Tensor tOrPt = thr_o.partition_fragment_B(sPt);                                                 // (MMA, 1, 4)
+    Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<kHeadDimV>, _16>{}));        // (MMA, 8, 1)
+    Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<kHeadDimV>, _16>{}));        // (MMA, 8, 1)
+    const uint32_t page = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer]));
+    auto key_block = [&](int kb, auto& tOrA) {
+      warpgroup_fence_operand(tOrA);
+      CUTE_UNROLL
+      for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
+        uint32_t a[4];
+        load_vt_fragment<kTail>(page, 64 * mb + 16 * warp, 16 * kb, valid_keys, a);
+        Tensor words = recast<uint32_t>(tOrA(_, mb, 0));
+        CUTE_UNROLL
+        for (int i = 0; i < 4; ++i) words(i) = a[i];
+      }
+      warpgroup_fence_operand(tOrA);
+      warpgroup_fence_operand(tOrO);
+      warpgroup_arrive();
+      gemm(mma_o, tOrA(_, _, 0), tOrPt(_, _, kb), tOrO);
+      warpgroup_commit_batch();
+      warpgroup_fence_operand(tOrO);
+    };
+    static_assert(Traits::kKeyBlocks == 4, "two fragment sets, alternating over four key blocks");
+    key_block(0, tOrA0);
+    key_block(1, tOrA1);
+    warpgroup_wait<1>();    // key block 0's WGMMAs no longer read tOrA0
+    key_block(2, tOrA0);
+    warpgroup_wait<1>();
+    key_block(3, tOrA1);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+  }
+};
+
+FLASH_MLA_NAMESPACE_END  // flash_mla

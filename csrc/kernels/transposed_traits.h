@@ -1,0 +1,109 @@
+// Compile-time configuration of the transposed FP8 kernel (splitkv_fp8_transposed.cu): an e4m3 cache and an e4m3 q
+// with at most 16 packed query rows per KV head, the memory-bound shapes where the 64-row tile of the split-KV
+// kernel leaves three quarters of every WGMMA empty and its V widening starves for shared-memory bandwidth
+// (docs/PERF.md "FP8 cache").
+//
+// The tile is transposed: the page's 64 keys are WGMMA's M and the query rows its N (16), so
+//   S^T = K Q^T      e4m3 SS m64n16k32   A = the page as TMA lands it (keys x columns, K-major), B = the Q tile
+//   O^T += V^T P^T   fp16 RS m64n16k16   A = V^T (dims x keys) built in registers from the page's e4m3 bytes
+//                                        (ldmatrix.trans, byte permutes, cvt), B = P^T (rows x keys) in shared memory
+// and V is never written back to shared memory in fp16. Each computing warpgroup holds the whole 512 x 16 O^T (64
+// registers a thread) and takes every other page of the CTA's stream; a producer warp issues the copies.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cutlass/numeric_types.h>
+
+#include "params.h"
+#include "variant.h"
+
+FLASH_MLA_NAMESPACE_BEGIN
+
+// The CTA's roles: two computing warpgroups (pages 2 j and 2 j + 1 of the CTA's stream), then one producer warp.
+enum class TransposedRole : int { kEvenPages = 0, kOddPages = 1, kProducer = 2 };
+
+struct TransposedTraits {
+  using E4m3 = cutlass::float_e4m3_t;
+  using Half = cutlass::half_t;
+
+  static constexpr int kRows = kTransposedMaxRows;     // query rows of a tile: N of both GEMMs
+  static constexpr int kRing = 4;                      // page buffers (H200 model: 4 pages 4.51 TB/s, 3 4.43, 2 3.49)
+  static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
+  static constexpr int kWarpgroupThreads = 128;
+  static constexpr int kComputeWarpgroups = 2;
+  // A whole producer warpgroup (one warp of it works) so that setmaxnreg can move its registers to the computing
+  // warpgroups: with 9 warps one SM sub-partition holds 3 and ptxas allows 168 registers a thread (28 bytes spilled).
+  static constexpr int kThreads = (kComputeWarpgroups + 1) * kWarpgroupThreads;
+  static constexpr int kComputeRegisters = 240;
+  static constexpr int kProducerRegisters = 24;
+  static_assert(kWarpgroupThreads * (kComputeWarpgroups * kComputeRegisters + kProducerRegisters) <= 64 * 1024,
+                "the register file");
+  static constexpr int kSlots = kRows / 4;             // query columns a thread holds in S^T and O^T
+
+  // A page in shared memory: five units of 64 keys x 128 e4m3 columns, one TMA box each (kv_cache_tma.h); units
+  // 0-3 are V (and K's latent part), unit 4 RoPE, whose columns 576..639 TMA fills with zeros and S never reads.
+  static constexpr int kUnits = 5;
+  static constexpr int kVUnits = 4;
+  static constexpr int kUnitCols = 128;
+  static constexpr int kUnitBytes = kPageBlockSize * kUnitCols;
+  static constexpr int kPageBytes = kUnits * kUnitBytes;
+  static constexpr int kQBytes = kRows * kUnits * kUnitCols;
+  static constexpr int kQChunksPerRow = kHeadDimQK / 16;          // 16-byte cp.async chunks of a q row
+  static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
+  static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
+  static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;
+
+  using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+                                                      cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
+  using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+                                                   cute::Shape<cute::Int<kRows>, cute::Int<kUnits * kUnitCols>>{}));
+  using SmemLayoutPt = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Half>{},
+                                                    cute::Shape<cute::Int<kRows>, cute::Int<kPageBlockSize>>{}));
+  using TiledMmaS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_128>>()));
+  using TiledMmaO = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Half, Half, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_16>>()));
+
+  struct SharedStorage {
+    alignas(1024) uint8_t page[kRing][kPageBytes];
+    alignas(1024) uint8_t q[kQSlots][kQBytes];
+    alignas(1024) Half pt[kComputeWarpgroups][kRows * kPageBlockSize];    // each warpgroup's P^T
+    // End of a piece: each warpgroup hands the other the dim blocks that one finishes, scaled to the common
+    // reference (thread-major float4s: thread t of one warpgroup holds what thread t of the other reads).
+    alignas(16) float4 exchange[kComputeWarpgroups][kExchangeBlocks * 2][kWarpgroupThreads];
+    float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
+    float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
+    float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
+    alignas(8) uint64_t page_full[kRing];
+    alignas(8) uint64_t page_empty[kRing];
+    alignas(8) uint64_t q_full[kQSlots];
+    alignas(8) uint64_t q_empty[kQSlots];
+  };
+  static constexpr int kSmemBytes = sizeof(SharedStorage);
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM");
+  static_assert(kRows == 16, "O^T (64 registers a thread at 16 rows) and S^T sized for one 16-row tile");
+};
+
+// Named barriers (bar.sync / bar.red ids; 0 is __syncthreads), by the event they signal.
+enum class TransposedBarrier : uint32_t {
+  kPtWritten = 1,          // + warpgroup: the warpgroup's P^T of this page is in shared memory (128 threads)
+  kReferenceVote = 3,      // + warpgroup: bar.red.or over "some column's maximum passed its reference"
+  kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
+  kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
+  kPieceStatsWritten = 9,  // both warpgroups (256 threads): references and sums of the piece
+  kExchangeWritten = 10,   // both warpgroups: each one's hand-over dim blocks
+};
+static_assert(static_cast<uint32_t>(TransposedBarrier::kExchangeWritten) < 16, "bar.sync ids are 0..15");
+
+// The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
+__device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup = 0) {
+  return static_cast<uint32_t>(barrier) + warpgroup;
+}
+
+// bar.sync on hardware barrier `id` by `threads` threads.
+__device__ __forceinline__ void named_sync(uint32_t id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
+FLASH_MLA_NAMESPACE_END  // flash_mla
