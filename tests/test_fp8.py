@@ -767,10 +767,13 @@ def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
 @needs_cuda
 @pytest.mark.parametrize("num_sms", [1, 7, 132])
 @pytest.mark.parametrize("s_q,h_q,h_kv,causal", [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True),
-                                                 (1, 8, 2, False), (3, 4, 1, True), (1, 1, 1, False)])
+                                                 (1, 8, 2, False), (3, 4, 1, True), (1, 1, 1, False),
+                                                 (2, 16, 1, True), (1, 32, 1, False), (4, 16, 2, True),
+                                                 (3, 8, 1, True), (1, 20, 1, False)])
 def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal):
-    """At most 16 packed query rows per KV head with an fp8 q: the transposed kernel (csrc/kernels/transposed_*.h;
-    16, 12, 4 and 1 rows, causal across s_q tokens, two KV heads). One SM part walks every piece (the producer's
+    """At most 32 packed query rows per KV head with an fp8 q: the transposed kernel (csrc/kernels/transposed_*.h;
+    its 16-row tile at 16, 12, 4 and 1 rows, its 32-row tile at 32, 24 and 20, causal across s_q tokens, two KV
+    heads). One SM part walks every piece (the producer's
     ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0 rows merge nothing), 7
     and 132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory,
     an attention sink."""

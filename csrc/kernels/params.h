@@ -17,7 +17,7 @@ constexpr int kFixedOverhead = 5;     // scheduler cost of one sequence piece, i
 constexpr int kMetadataWidth = 8;     // int32 words per SM part
 // An e4m3 cache with an e4m3 q and at most this many packed query rows per KV head goes to the transposed FP8
 // kernel (query rows as WGMMA's N: transposed_traits.h), more rows to the split-KV kernel's e4m3-scores form.
-constexpr int kTransposedMaxRows = 16;
+constexpr int kTransposedMaxRows = 32;
 
 // Byte layout of a token of the sparse FP8 cache (DeepSeek-V3.2, flash_mla/sparse_fp8.py): 512 e4m3 latent values,
 // 4 float32 group scales, 64 bf16 RoPE values.
@@ -123,7 +123,7 @@ void launch_mla_splitkv_bf16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp16(const DecodeParams& params, void* stream);
 void launch_mla_splitkv_fp8(const DecodeParams& params, void* stream);     // e4m3 cache; q bf16 or fp16
 void launch_mla_splitkv_fp8_e4m3_scores(const DecodeParams& params, void* stream);    // e4m3 cache and q
-void launch_mla_splitkv_fp8_transposed(const DecodeParams& params, void* stream);      // the same, rows_per_kv <= 16
+void launch_mla_splitkv_fp8_transposed(const DecodeParams& params, void* stream);      // the same, rows_per_kv <= 32
 void launch_mla_splitkv_sparse(const DecodeParams& params, void* stream);  // 656-byte token cache; bf16 q
 void launch_mla_combine_bf16(const DecodeParams& params, void* stream);
 void launch_mla_combine_fp16(const DecodeParams& params, void* stream);

@@ -26,14 +26,15 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-__global__ void __launch_bounds__(TransposedTraits::kThreads, 1)
+template <int kRows>
+__global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
     mla_splitkv_fp8_transposed_kernel(const __grid_constant__ DecodeParams params) {
-  using Traits = TransposedTraits;
+  using Traits = TransposedTraits<kRows>;
   using Mainloop = TransposedMainloop<Traits>;
   using Epilogue = TransposedEpilogue<Traits>;
   using Barrier = cutlass::arch::ClusterBarrier;
   extern __shared__ __align__(1024) char smem_raw[];
-  auto& smem = *reinterpret_cast<Traits::SharedStorage*>(smem_raw);
+  auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
   // Both Q slots zeroed once: a tile's rows past rows_per_kv are never copied, and S^T reads them.
   for (int i = threadIdx.x; i < int(sizeof(smem.q)) / 16; i += blockDim.x) {
@@ -84,7 +85,7 @@ __global__ void __launch_bounds__(TransposedTraits::kThreads, 1)
   for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
     const Piece piece = range.piece(seq);
     const int pages = piece.num_pages();
-    ColumnStats stats;
+    ColumnStats<Traits::kSlots> stats;
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
@@ -105,25 +106,34 @@ __global__ void __launch_bounds__(TransposedTraits::kThreads, 1)
       stream_page += pages;
     }
     if (warpgroup == 0) {
-      Epilogue::write<0>(params, scales, smem, piece, kv_head, tOrO, stats);
+      Epilogue::template write<0>(params, scales, smem, piece, kv_head, tOrO, stats);
     } else {
-      Epilogue::write<1>(params, scales, smem, piece, kv_head, tOrO, stats);
+      Epilogue::template write<1>(params, scales, smem, piece, kv_head, tOrO, stats);
     }
   }
 }
 
-void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void* stream) {
-  using Traits = TransposedTraits;
-  DecodeParams params = binding_params;
-  encode_kv_cache_tma(params, CacheDtype::kE4m3);
-  params.out_by_tma = false;
-  auto kernel = mla_splitkv_fp8_transposed_kernel;
+template <int kRows>
+void launch_transposed(DecodeParams& params, cudaStream_t stream) {
+  using Traits = TransposedTraits<kRows>;
+  auto kernel = mla_splitkv_fp8_transposed_kernel<kRows>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // One row tile per KV head: launched as a programmatic dependent, as the split-KV kernel's one-tile grids are
   // (splitkv_kernel.h).
   const dim3 grid(1, params.num_heads_k, params.num_sm_parts), block(Traits::kThreads);
-  launch_kernel(kernel, grid, block, Traits::kSmemBytes, static_cast<cudaStream_t>(stream), /*programmatic=*/true,
-                /*cluster_x=*/1, params);
+  launch_kernel(kernel, grid, block, Traits::kSmemBytes, stream, /*programmatic=*/true, /*cluster_x=*/1, params);
+}
+
+// The tile's N: 16 rows where they fit (O^T 64 registers a thread, a ring of four pages), else 32.
+void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void* stream) {
+  DecodeParams params = binding_params;
+  encode_kv_cache_tma(params, CacheDtype::kE4m3);
+  params.out_by_tma = false;
+  if (params.rows_per_kv <= 16) {
+    launch_transposed<16>(params, static_cast<cudaStream_t>(stream));
+  } else {
+    launch_transposed<32>(params, static_cast<cudaStream_t>(stream));
+  }
 }
 
 FLASH_MLA_NAMESPACE_END  // flash_mla

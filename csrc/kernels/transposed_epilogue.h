@@ -21,7 +21,7 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-template <class Traits = TransposedTraits>
+template <class Traits>
 struct TransposedEpilogue {
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
@@ -36,7 +36,7 @@ struct TransposedEpilogue {
   template <int kWarpgroup, class TensorO>
   __device__ __forceinline__ static void write(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
                                                const Piece& piece, int kv_head, TensorO& tOrO,
-                                               const ColumnStats& stats) {
+                                               const ColumnStats<kSlots>& stats) {
     constexpr int warpgroup = kWarpgroup, other = 1 - kWarpgroup;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32, quad_lane = lane % 4;
 
@@ -73,28 +73,30 @@ struct TransposedEpilogue {
     CUTE_UNROLL
     for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
       CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) tOrO(i, mb, 0) *= own_factor[slot_of(i)];
+      for (int i = 0; i < Traits::kValues; ++i) tOrO(i, mb, 0) *= own_factor[slot_of(i)];
     }
+    // Round r hands over dim blocks kRoundBlocks r .. of the other's half and takes the same of its own, as float4s
+    // of consecutive values (kValues a block).
     CUTE_UNROLL
-    for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
-      const int mb = Traits::kExchangeBlocks * other + k;
+    for (int round = 0; round < Traits::kExchangeRounds; ++round) {
+      if (round > 0) named_sync(barrier_id(TransposedBarrier::kExchangeRead), kMergeThreads);
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        smem.exchange[warpgroup][2 * k + h][t] = make_float4(tOrO(4 * h, mb, 0), tOrO(4 * h + 1, mb, 0),
-                                                             tOrO(4 * h + 2, mb, 0), tOrO(4 * h + 3, mb, 0));
+      for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
+        const int mb = Traits::kExchangeBlocks * other + Traits::kRoundBlocks * round + 4 * f / Traits::kValues;
+        const int i = 4 * f % Traits::kValues;
+        smem.exchange[warpgroup][f][t] = make_float4(tOrO(i, mb, 0), tOrO(i + 1, mb, 0), tOrO(i + 2, mb, 0),
+                                                     tOrO(i + 3, mb, 0));
       }
-    }
-    named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
-    CUTE_UNROLL
-    for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
-      const int mb = Traits::kExchangeBlocks * warpgroup + k;
+      named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
       CUTE_UNROLL
-      for (int h = 0; h < 2; ++h) {
-        const float4 v = smem.exchange[other][2 * k + h][t];
-        tOrO(4 * h, mb, 0) += v.x;
-        tOrO(4 * h + 1, mb, 0) += v.y;
-        tOrO(4 * h + 2, mb, 0) += v.z;
-        tOrO(4 * h + 3, mb, 0) += v.w;
+      for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
+        const int mb = Traits::kExchangeBlocks * warpgroup + Traits::kRoundBlocks * round + 4 * f / Traits::kValues;
+        const int i = 4 * f % Traits::kValues;
+        const float4 v = smem.exchange[other][f][t];
+        tOrO(i, mb, 0) += v.x;
+        tOrO(i + 1, mb, 0) += v.y;
+        tOrO(i + 2, mb, 0) += v.z;
+        tOrO(i + 3, mb, 0) += v.w;
       }
     }
 

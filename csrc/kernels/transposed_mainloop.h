@@ -40,21 +40,23 @@
 FLASH_MLA_NAMESPACE_BEGIN
 
 // A computing warpgroup's running softmax state per query column it holds (slot c: column column_of(c, lane % 4)).
+template <int kSlots>
 struct ColumnStats {
-  float ref[TransposedTraits::kSlots];    // references (raw scores; softmax.h lazy_reference), the same in each warp
-  float sum[TransposedTraits::kSlots];    // this thread's part of the column sums, relative to exp2(ref * scale)
+  float ref[kSlots];    // references (raw scores; softmax.h lazy_reference), the same in each warp
+  float sum[kSlots];    // this thread's part of the column sums, relative to exp2(ref * scale)
 };
 
-// Accumulator value i of an m64n16 fragment (S^T or an O^T dim block): row (key or dim) 16 warp + lane / 4 +
-// 8 ((i >> 1) & 1), column 2 (lane % 4) + (i & 1) + 8 (i >> 2); slot (i & 1) + 2 (i >> 2) of the thread's four.
+// Accumulator value i of an m64nN fragment (S^T or an O^T dim block): row (key or dim) 16 warp + lane / 4 +
+// 8 ((i >> 1) & 1), column 2 (lane % 4) + (i & 1) + 8 (i >> 2); slot (i & 1) + 2 (i >> 2) of the thread's N / 4.
 __device__ __forceinline__ constexpr int slot_of(int i) { return (i & 1) + 2 * (i >> 2); }
 __device__ __forceinline__ constexpr int column_of(int slot, int quad_lane) {
   return 2 * quad_lane + (slot & 1) + 8 * (slot >> 1);
 }
 
-template <class Traits = TransposedTraits>
+template <class Traits>
 struct TransposedMainloop {
   using SharedStorage = typename Traits::SharedStorage;
+  using Stats = ColumnStats<Traits::kSlots>;
   using Barrier = cutlass::arch::ClusterBarrier;
   using E4m3 = typename Traits::E4m3;
   using Half = typename Traits::Half;
@@ -122,7 +124,7 @@ struct TransposedMainloop {
   // (the piece's end), and with causal masking past each column's last visible key, do not count.
   template <class TensorO>
   __device__ __forceinline__ static void page(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem, int warpgroup,
-                              int buffer, int q_slot, const Piece& piece, int key0, TensorO& tOrO, ColumnStats& stats) {
+                              int buffer, int q_slot, const Piece& piece, int key0, TensorO& tOrO, Stats& stats) {
     using namespace cute;
     typename Traits::TiledMmaS mma_s;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
@@ -223,7 +225,7 @@ struct TransposedMainloop {
   // before are complete (waited at that page's end).
   template <class TensorO>
   __device__ __forceinline__ static void move_references(const SplitKvScales& scales, SharedStorage& smem, int warpgroup,
-                                         const float (&col_max)[kSlots], TensorO& tOrO, ColumnStats& stats) {
+                                         const float (&col_max)[kSlots], TensorO& tOrO, Stats& stats) {
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
     if (lane < 4) {
       CUTE_UNROLL
@@ -245,7 +247,7 @@ struct TransposedMainloop {
     CUTE_UNROLL
     for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
       CUTE_UNROLL
-      for (int i = 0; i < 8; ++i) tOrO(i, mb, 0) *= factor[slot_of(i)];
+      for (int i = 0; i < Traits::kValues; ++i) tOrO(i, mb, 0) *= factor[slot_of(i)];
     }
   }
 
@@ -298,43 +300,45 @@ struct TransposedMainloop {
     }
   }
 
-  // O^T += V^T P^T over the page's four key blocks: two sets of V^T fragments, one read by the WGMMAs in flight
-  // while the other is loaded; returns with every WGMMA complete (the page and P^T may be overwritten).
+  // O^T += V^T P^T over the page's four key blocks, in batches of kBatchBlocks dim blocks: two sets of V^T
+  // fragments, one read by the WGMMAs in flight while the other is loaded; returns with every WGMMA complete (the
+  // page and P^T may be overwritten).
   template <bool kTail, class TensorO>
-  __device__ __forceinline__ static void accumulate_o(SharedStorage& smem, int warpgroup, int buffer, int valid_keys, TensorO& tOrO) {
+  __device__ __forceinline__ static void accumulate_o(SharedStorage& smem, int warpgroup, int buffer, int valid_keys,
+                                                      TensorO& tOrO) {
     using namespace cute;
+    constexpr int kBatch = Traits::kBatchBlocks, kBatchesPerKeyBlock = Traits::kDimBlocks / kBatch;
     typename Traits::TiledMmaO mma_o;
     const int t = threadIdx.x % kWgThreads, warp = t / 32;
     auto thr_o = mma_o.get_slice(t);
-    Tensor sPt = make_tensor(make_smem_ptr(smem.pt[warpgroup]), typename Traits::SmemLayoutPt{});    // (16, 64)
+    Tensor sPt = make_tensor(make_smem_ptr(smem.pt[warpgroup]), typename Traits::SmemLayoutPt{});    // (N, 64)
     Tensor tOrPt = thr_o.partition_fragment_B(sPt);                                                 // (MMA, 1, 4)
-    Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<kHeadDimV>, _16>{}));        // (MMA, 8, 1)
-    Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<kHeadDimV>, _16>{}));        // (MMA, 8, 1)
+    Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
+    Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
     const uint32_t page = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer]));
-    auto key_block = [&](int kb, auto& tOrA) {
+    auto batch = [&](auto step) {
+      constexpr int kStep = decltype(step)::value;
+      constexpr int kb = kStep / kBatchesPerKeyBlock, mb0 = kStep % kBatchesPerKeyBlock * kBatch;
+      auto& tOrA = kStep % 2 == 0 ? tOrA0 : tOrA1;
+      if constexpr (kStep >= 2) warpgroup_wait<1>();    // the batch before the last no longer reads this set
       warpgroup_fence_operand(tOrA);
       CUTE_UNROLL
-      for (int mb = 0; mb < Traits::kDimBlocks; ++mb) {
+      for (int b = 0; b < kBatch; ++b) {
         uint32_t a[4];
-        load_vt_fragment<kTail>(page, 64 * mb + 16 * warp, 16 * kb, valid_keys, a);
-        Tensor words = recast<uint32_t>(tOrA(_, mb, 0));
+        load_vt_fragment<kTail>(page, 64 * (mb0 + b) + 16 * warp, 16 * kb, valid_keys, a);
+        Tensor words = recast<uint32_t>(tOrA(_, b, 0));
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) words(i) = a[i];
       }
       warpgroup_fence_operand(tOrA);
       warpgroup_fence_operand(tOrO);
       warpgroup_arrive();
-      gemm(mma_o, tOrA(_, _, 0), tOrPt(_, _, kb), tOrO);
+      CUTE_UNROLL
+      for (int b = 0; b < kBatch; ++b) gemm(mma_o, tOrA(_, b, 0), tOrPt(_, 0, kb), tOrO(_, mb0 + b, 0));
       warpgroup_commit_batch();
       warpgroup_fence_operand(tOrO);
     };
-    static_assert(Traits::kKeyBlocks == 4, "two fragment sets, alternating over four key blocks");
-    key_block(0, tOrA0);
-    key_block(1, tOrA1);
-    warpgroup_wait<1>();    // key block 0's WGMMAs no longer read tOrA0
-    key_block(2, tOrA0);
-    warpgroup_wait<1>();
-    key_block(3, tOrA1);
+    for_each(make_int_sequence<Traits::kKeyBlocks * kBatchesPerKeyBlock>{}, batch);
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
   }

@@ -1,14 +1,14 @@
 // Compile-time configuration of the transposed FP8 kernel (splitkv_fp8_transposed.cu): an e4m3 cache and an e4m3 q
-// with at most 16 packed query rows per KV head, the memory-bound shapes where the 64-row tile of the split-KV
+// with at most 32 packed query rows per KV head, the memory-bound shapes where the 64-row tile of the split-KV
 // kernel leaves three quarters of every WGMMA empty and its V widening starves for shared-memory bandwidth
 // (docs/PERF.md "FP8 cache").
 //
-// The tile is transposed: the page's 64 keys are WGMMA's M and the query rows its N (16), so
-//   S^T = K Q^T      e4m3 SS m64n16k32   A = the page as TMA lands it (keys x columns, K-major), B = the Q tile
-//   O^T += V^T P^T   fp16 RS m64n16k16   A = V^T (dims x keys) built in registers from the page's e4m3 bytes
+// The tile is transposed: the page's 64 keys are WGMMA's M and the query rows its N (kRows: 16 or 32), so
+//   S^T = K Q^T      e4m3 SS m64nNk32    A = the page as TMA lands it (keys x columns, K-major), B = the Q tile
+//   O^T += V^T P^T   fp16 RS m64nNk16    A = V^T (dims x keys) built in registers from the page's e4m3 bytes
 //                                        (ldmatrix.trans, byte permutes, cvt), B = P^T (rows x keys) in shared memory
-// and V is never written back to shared memory in fp16. Each computing warpgroup holds the whole 512 x 16 O^T (64
-// registers a thread) and takes every other page of the CTA's stream; a producer warp issues the copies.
+// and V is never written back to shared memory in fp16. Each computing warpgroup holds the whole 512 x kRows O^T
+// (4 kRows registers a thread) and takes every other page of the CTA's stream; a producer warp issues the copies.
 #pragma once
 
 #include <cute/tensor.hpp>
@@ -23,12 +23,16 @@ FLASH_MLA_NAMESPACE_BEGIN
 // The CTA's roles: two computing warpgroups (pages 2 j and 2 j + 1 of the CTA's stream), then one producer warp.
 enum class TransposedRole : int { kEvenPages = 0, kOddPages = 1, kProducer = 2 };
 
+template <int kRows_>
 struct TransposedTraits {
   using E4m3 = cutlass::float_e4m3_t;
   using Half = cutlass::half_t;
 
-  static constexpr int kRows = kTransposedMaxRows;     // query rows of a tile: N of both GEMMs
-  static constexpr int kRing = 4;                      // page buffers (H200 model: 4 pages 4.51 TB/s, 3 4.43, 2 3.49)
+  static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
+  static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
+  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49); 32 rows
+  // fit only 3 beside their Q slots.
+  static constexpr int kRing = kRows == 16 ? 4 : 3;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -40,6 +44,7 @@ struct TransposedTraits {
   static_assert(kWarpgroupThreads * (kComputeWarpgroups * kComputeRegisters + kProducerRegisters) <= 64 * 1024,
                 "the register file");
   static constexpr int kSlots = kRows / 4;             // query columns a thread holds in S^T and O^T
+  static constexpr int kValues = kRows / 2;            // accumulator values a thread holds per 64-row block
 
   // A page in shared memory: five units of 64 keys x 128 e4m3 columns, one TMA box each (kv_cache_tma.h); units
   // 0-3 are V (and K's latent part), unit 4 RoPE, whose columns 576..639 TMA fills with zeros and S never reads.
@@ -52,7 +57,14 @@ struct TransposedTraits {
   static constexpr int kQChunksPerRow = kHeadDimQK / 16;          // 16-byte cp.async chunks of a q row
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
-  static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;
+  static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = 8;
+  static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
+  static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
+  // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
+  // ahead: two sets of 4 kBatchBlocks registers a thread (at 32 rows O^T's 128 leave room for two sets of 16).
+  static constexpr int kBatchBlocks = kRows == 16 ? 8 : 4;
 
   using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
                                                       cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
@@ -71,7 +83,7 @@ struct TransposedTraits {
     alignas(1024) Half pt[kComputeWarpgroups][kRows * kPageBlockSize];    // each warpgroup's P^T
     // End of a piece: each warpgroup hands the other the dim blocks that one finishes, scaled to the common
     // reference (thread-major float4s: thread t of one warpgroup holds what thread t of the other reads).
-    alignas(16) float4 exchange[kComputeWarpgroups][kExchangeBlocks * 2][kWarpgroupThreads];
+    alignas(16) float4 exchange[kComputeWarpgroups][kExchangeFloat4s][kWarpgroupThreads];
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
@@ -82,7 +94,6 @@ struct TransposedTraits {
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM");
-  static_assert(kRows == 16, "O^T (64 registers a thread at 16 rows) and S^T sized for one 16-row tile");
 };
 
 // Named barriers (bar.sync / bar.red ids; 0 is __syncthreads), by the event they signal.
@@ -92,9 +103,10 @@ enum class TransposedBarrier : uint32_t {
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
   kPieceStatsWritten = 9,  // both warpgroups (256 threads): references and sums of the piece
-  kExchangeWritten = 10,   // both warpgroups: each one's hand-over dim blocks
+  kExchangeWritten = 10,   // both warpgroups: each one's hand-over dim blocks (of one round)
+  kExchangeRead = 11,      // both warpgroups: the round before's hand-over was read (the area may be written)
 };
-static_assert(static_cast<uint32_t>(TransposedBarrier::kExchangeWritten) < 16, "bar.sync ids are 0..15");
+static_assert(static_cast<uint32_t>(TransposedBarrier::kExchangeRead) < 16, "bar.sync ids are 0..15");
 
 // The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
 __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup = 0) {
