@@ -30,9 +30,9 @@ struct TransposedTraits {
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
-  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49); 32 rows
-  // fit only 3 beside their Q slots.
-  static constexpr int kRing = kRows == 16 ? 4 : 3;
+  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). Each
+  // computing warpgroup holds one while it computes, so the ring's other buffers are the copies in flight.
+  static constexpr int kRing = 4;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -58,8 +58,9 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = 8;
+  // The hand-over goes through 8 KiB a warpgroup (4 float4 a thread: what leaves a ring of four pages room beside
+  // 32-row Q slots), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = 4;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
