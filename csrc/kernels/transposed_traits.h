@@ -30,9 +30,10 @@ struct TransposedTraits {
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
-  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). Each
-  // computing warpgroup holds one while it computes, so the ring's other buffers are the copies in flight.
-  static constexpr int kRing = 4;
+  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
+  // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
+  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16).
+  static constexpr int kRing = kRows == 16 ? 4 : 3;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -58,9 +59,8 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 8 KiB a warpgroup (4 float4 a thread: what leaves a ring of four pages room beside
-  // 32-row Q slots), in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = 4;
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
@@ -114,9 +114,11 @@ __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barri
   return static_cast<uint32_t>(barrier) + warpgroup;
 }
 
-// bar.sync on hardware barrier `id` by `threads` threads.
+// barrier.sync on hardware barrier `id` by `threads` threads. Not bar.sync (barrier.sync.aligned), which requires
+// every participant to execute the same instruction: the two warpgroups reach the epilogue's barriers from
+// separate instantiations (compute-sanitizer's synccheck reports the aligned form there).
 __device__ __forceinline__ void named_sync(uint32_t id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+  asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 
 FLASH_MLA_NAMESPACE_END  // flash_mla
