@@ -105,11 +105,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
       ++q_count;
       stream_page += pages;
     }
-    if (warpgroup == 0) {
-      Epilogue::template write<0>(params, scales, smem, piece, kv_head, tOrO, stats);
-    } else {
-      Epilogue::template write<1>(params, scales, smem, piece, kv_head, tOrO, stats);
-    }
+    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats);
   }
 }
 

@@ -29,15 +29,18 @@ struct TransposedEpilogue {
   static constexpr int kMergeThreads = Traits::kComputeWarpgroups * kWgThreads;
   static constexpr float kLn2 = 0.6931471805599453f;
 
-  // tOrO: warpgroup kWarpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in
-  // load_vt_fragment's dim order; `stats` its references and this thread's sums. Leaves tOrO scaled (the caller
-  // clears it). The warpgroup is a template parameter: the dim blocks it hands over and keeps must be compile-time
-  // indices of tOrO (a runtime one put all of tOrO on the stack).
-  template <int kWarpgroup, class TensorO>
+  // tOrO: the warpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in load_vt_fragment's dim
+  // order; `stats` its references and this thread's sums. Leaves tOrO overwritten (the caller clears it): the
+  // merged dim blocks of the warpgroup's half end up in blocks 0 .. kExchangeBlocks - 1. Both warpgroups run the
+  // same instructions (the barriers are shared), so the blocks a warpgroup hands over or keeps are chosen by
+  // selects between compile-time indices of tOrO (a runtime index put all of tOrO on the stack).
+  template <class TensorO>
   __device__ __forceinline__ static void write(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
-                                               const Piece& piece, int kv_head, TensorO& tOrO,
+                                               const Piece& piece, int kv_head, int warpgroup, TensorO& tOrO,
                                                const ColumnStats<kSlots>& stats) {
-    constexpr int warpgroup = kWarpgroup, other = 1 - kWarpgroup;
+    constexpr int kHalf = Traits::kExchangeBlocks;
+    const int other = 1 - warpgroup;
+    const bool first = warpgroup == 0;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32, quad_lane = lane % 4;
 
     // ---- 1. references and per-warp sums -----------------------------------------------------------------------
@@ -75,28 +78,32 @@ struct TransposedEpilogue {
       CUTE_UNROLL
       for (int i = 0; i < Traits::kValues; ++i) tOrO(i, mb, 0) *= own_factor[slot_of(i)];
     }
-    // Round r hands over dim blocks kRoundBlocks r .. of the other's half and takes the same of its own, as float4s
-    // of consecutive values (kValues a block).
+    // Round r hands over block k = kRoundBlocks r .. of the other's half (the first warpgroup its block kHalf + k,
+    // the second its block k) and merges its own block k (the first's k, the second's kHalf + k) into block k, as
+    // float4s of consecutive values (kValues a block). The second warpgroup's blocks a round overwrites were handed
+    // over in that round.
     CUTE_UNROLL
     for (int round = 0; round < Traits::kExchangeRounds; ++round) {
       if (round > 0) named_sync(barrier_id(TransposedBarrier::kExchangeRead), kMergeThreads);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
-        const int mb = Traits::kExchangeBlocks * other + Traits::kRoundBlocks * round + 4 * f / Traits::kValues;
-        const int i = 4 * f % Traits::kValues;
-        smem.exchange[warpgroup][f][t] = make_float4(tOrO(i, mb, 0), tOrO(i + 1, mb, 0), tOrO(i + 2, mb, 0),
-                                                     tOrO(i + 3, mb, 0));
+        const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
+        float4 given;
+        given.x = first ? tOrO(i, kHalf + k, 0) : tOrO(i, k, 0);
+        given.y = first ? tOrO(i + 1, kHalf + k, 0) : tOrO(i + 1, k, 0);
+        given.z = first ? tOrO(i + 2, kHalf + k, 0) : tOrO(i + 2, k, 0);
+        given.w = first ? tOrO(i + 3, kHalf + k, 0) : tOrO(i + 3, k, 0);
+        smem.exchange[warpgroup][f][t] = given;
       }
       named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
-        const int mb = Traits::kExchangeBlocks * warpgroup + Traits::kRoundBlocks * round + 4 * f / Traits::kValues;
-        const int i = 4 * f % Traits::kValues;
+        const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
         const float4 v = smem.exchange[other][f][t];
-        tOrO(i, mb, 0) += v.x;
-        tOrO(i + 1, mb, 0) += v.y;
-        tOrO(i + 2, mb, 0) += v.z;
-        tOrO(i + 3, mb, 0) += v.w;
+        tOrO(i, k, 0) = (first ? tOrO(i, k, 0) : tOrO(i, kHalf + k, 0)) + v.x;
+        tOrO(i + 1, k, 0) = (first ? tOrO(i + 1, k, 0) : tOrO(i + 1, kHalf + k, 0)) + v.y;
+        tOrO(i + 2, k, 0) = (first ? tOrO(i + 2, k, 0) : tOrO(i + 2, kHalf + k, 0)) + v.z;
+        tOrO(i + 3, k, 0) = (first ? tOrO(i + 3, k, 0) : tOrO(i + 3, kHalf + k, 0)) + v.w;
       }
     }
 
@@ -116,10 +123,9 @@ struct TransposedEpilogue {
         __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
                              ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV;
         CUTE_UNROLL
-        for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
-          const int mb = Traits::kExchangeBlocks * warpgroup + k;
-          *reinterpret_cast<__nv_bfloat162*>(out + 64 * mb + dim_pair) =
-              __floats2bfloat162_rn(tOrO(i, mb, 0) * inv, tOrO(i + 2, mb, 0) * inv);
+        for (int k = 0; k < kHalf; ++k) {
+          *reinterpret_cast<__nv_bfloat162*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
+              __floats2bfloat162_rn(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
         if (warpgroup == 0 && warp == 0 && lane < 4) {
           p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
@@ -128,10 +134,9 @@ struct TransposedEpilogue {
         const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
         float* out = p.o_partial + partial_row * kHeadDimV;
         CUTE_UNROLL
-        for (int k = 0; k < Traits::kExchangeBlocks; ++k) {
-          const int mb = Traits::kExchangeBlocks * warpgroup + k;
-          *reinterpret_cast<float2*>(out + 64 * mb + dim_pair) =
-              make_float2(tOrO(i, mb, 0) * inv, tOrO(i + 2, mb, 0) * inv);
+        for (int k = 0; k < kHalf; ++k) {
+          *reinterpret_cast<float2*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
+              make_float2(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
         if (warpgroup == 0 && warp == 0 && lane < 4) p.lse_partial[partial_row] = lse;
       }

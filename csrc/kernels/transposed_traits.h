@@ -114,9 +114,9 @@ __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barri
   return static_cast<uint32_t>(barrier) + warpgroup;
 }
 
-// barrier.sync on hardware barrier `id` by `threads` threads. Not bar.sync (barrier.sync.aligned), which requires
-// every participant to execute the same instruction: the two warpgroups reach the epilogue's barriers from
-// separate instantiations (compute-sanitizer's synccheck reports the aligned form there).
+// barrier.sync on hardware barrier `id` by `threads` threads: the non-aligned form (bar.sync is
+// barrier.sync.aligned, which requires every participant to execute the same instruction; they do, but the
+// compiler's code motion is not bound to keep it so).
 __device__ __forceinline__ void named_sync(uint32_t id, int threads) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
