@@ -30,17 +30,17 @@ struct TransposedEpilogue {
   static constexpr float kLn2 = 0.6931471805599453f;
 
   // tOrO: the warpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in load_vt_fragment's dim
-  // order; `stats` its references and this thread's sums. Leaves tOrO overwritten (the caller clears it): the
-  // merged dim blocks of the warpgroup's half end up in blocks 0 .. kExchangeBlocks - 1. Both warpgroups run the
-  // same instructions (the barriers are shared), so the blocks a warpgroup hands over or keeps are chosen by
-  // selects between compile-time indices of tOrO (a runtime index put all of tOrO on the stack).
+  // order, block k holding dims 64 ((k + 4 w) mod 8) (accumulate_o): blocks 0-3 are the warpgroup's own half, 4-7
+  // the other's. `stats` its references and this thread's sums. Leaves tOrO scaled and merged (the caller clears
+  // it). Both warpgroups run the same instructions: the barriers are shared, and a block index that depended on
+  // the warpgroup would be a runtime index of tOrO (all of it on the stack) or a select the compiler unswitches
+  // into a copy per warpgroup.
   template <class TensorO>
   __device__ __forceinline__ static void write(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
                                                const Piece& piece, int kv_head, int warpgroup, TensorO& tOrO,
                                                const ColumnStats<kSlots>& stats) {
     constexpr int kHalf = Traits::kExchangeBlocks;
     const int other = 1 - warpgroup;
-    const bool first = warpgroup == 0;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32, quad_lane = lane % 4;
 
     // ---- 1. references and per-warp sums -----------------------------------------------------------------------
@@ -78,32 +78,26 @@ struct TransposedEpilogue {
       CUTE_UNROLL
       for (int i = 0; i < Traits::kValues; ++i) tOrO(i, mb, 0) *= own_factor[slot_of(i)];
     }
-    // Round r hands over block k = kRoundBlocks r .. of the other's half (the first warpgroup its block kHalf + k,
-    // the second its block k) and merges its own block k (the first's k, the second's kHalf + k) into block k, as
-    // float4s of consecutive values (kValues a block). The second warpgroup's blocks a round overwrites were handed
-    // over in that round.
+    // Round r hands over blocks kHalf + k (k = kRoundBlocks r ..: the other's half) and adds the other's into
+    // blocks k, as float4s of consecutive values (kValues a block).
     CUTE_UNROLL
     for (int round = 0; round < Traits::kExchangeRounds; ++round) {
       if (round > 0) named_sync(barrier_id(TransposedBarrier::kExchangeRead), kMergeThreads);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
         const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
-        float4 given;
-        given.x = first ? tOrO(i, kHalf + k, 0) : tOrO(i, k, 0);
-        given.y = first ? tOrO(i + 1, kHalf + k, 0) : tOrO(i + 1, k, 0);
-        given.z = first ? tOrO(i + 2, kHalf + k, 0) : tOrO(i + 2, k, 0);
-        given.w = first ? tOrO(i + 3, kHalf + k, 0) : tOrO(i + 3, k, 0);
-        smem.exchange[warpgroup][f][t] = given;
+        smem.exchange[warpgroup][f][t] = make_float4(tOrO(i, kHalf + k, 0), tOrO(i + 1, kHalf + k, 0),
+                                                     tOrO(i + 2, kHalf + k, 0), tOrO(i + 3, kHalf + k, 0));
       }
       named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
         const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
         const float4 v = smem.exchange[other][f][t];
-        tOrO(i, k, 0) = (first ? tOrO(i, k, 0) : tOrO(i, kHalf + k, 0)) + v.x;
-        tOrO(i + 1, k, 0) = (first ? tOrO(i + 1, k, 0) : tOrO(i + 1, kHalf + k, 0)) + v.y;
-        tOrO(i + 2, k, 0) = (first ? tOrO(i + 2, k, 0) : tOrO(i + 2, kHalf + k, 0)) + v.z;
-        tOrO(i + 3, k, 0) = (first ? tOrO(i + 3, k, 0) : tOrO(i + 3, kHalf + k, 0)) + v.w;
+        tOrO(i, k, 0) += v.x;
+        tOrO(i + 1, k, 0) += v.y;
+        tOrO(i + 2, k, 0) += v.z;
+        tOrO(i + 3, k, 0) += v.w;
       }
     }
 

@@ -302,7 +302,9 @@ struct TransposedMainloop {
 
   // O^T += V^T P^T over the page's four key blocks, in batches of kBatchBlocks dim blocks: two sets of V^T
   // fragments, one read by the WGMMAs in flight while the other is loaded; returns with every WGMMA complete (the
-  // page and P^T may be overwritten).
+  // page and P^T may be overwritten). Dim block mb of warpgroup w's O^T holds dims 64 ((mb + 4 w) mod 8): each
+  // warpgroup's own half of the dims first, so that the epilogue's hand-over is the same code for both
+  // (transposed_epilogue.h).
   template <bool kTail, class TensorO>
   __device__ __forceinline__ static void accumulate_o(SharedStorage& smem, int warpgroup, int buffer, int valid_keys,
                                                       TensorO& tOrO) {
@@ -316,6 +318,7 @@ struct TransposedMainloop {
     Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
     Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
     const uint32_t page = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer]));
+    const int first_dim = Traits::kExchangeBlocks * 64 * warpgroup;
     auto batch = [&](auto step) {
       constexpr int kStep = decltype(step)::value;
       constexpr int kb = kStep / kBatchesPerKeyBlock, mb0 = kStep % kBatchesPerKeyBlock * kBatch;
@@ -325,7 +328,7 @@ struct TransposedMainloop {
       CUTE_UNROLL
       for (int b = 0; b < kBatch; ++b) {
         uint32_t a[4];
-        load_vt_fragment<kTail>(page, 64 * (mb0 + b) + 16 * warp, 16 * kb, valid_keys, a);
+        load_vt_fragment<kTail>(page, (first_dim + 64 * (mb0 + b)) % kHeadDimV + 16 * warp, 16 * kb, valid_keys, a);
         Tensor words = recast<uint32_t>(tOrA(_, b, 0));
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) words(i) = a[i];
