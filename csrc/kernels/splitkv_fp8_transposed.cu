@@ -49,6 +49,9 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
       Barrier::init(&smem.q_full[s], 32);                                     // the producer warp's cp.async
       Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
     }
+    for (uint64_t* merge : {&smem.stats_posted, &smem.exchange_posted, &smem.exchange_read}) {
+      Barrier::init(merge, Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
+    }
     cutlass::arch::fence_barrier_init();
     cute::prefetch_tma_descriptor(reinterpret_cast<const cute::TmaDescriptor*>(params.k_cache_tma));
   }
@@ -80,7 +83,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
   const int warpgroup = role;
   typename Traits::TiledMmaO mma_o;
   Tensor tOrO = partition_fragment_C(mma_o, Shape<Int<kHeadDimV>, Int<Traits::kRows>>{});       // (MMA, 8, 1)
-  int stream_page = 0, q_count = 0;
+  int stream_page = 0, q_count = 0, merges = 0;
 #pragma unroll 1
   for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
     const Piece piece = range.piece(seq);
@@ -105,7 +108,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
       ++q_count;
       stream_page += pages;
     }
-    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats);
+    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
   }
 }
 

@@ -1,9 +1,12 @@
 // Epilogue of the transposed FP8 kernel: at the end of each piece the two computing warpgroups, which took
 // alternate pages of it, merge their partial results and write them.
-//   1. each warpgroup posts its column references and per-warp column sums        (kPieceStatsWritten)
+//   1. each warpgroup posts its column references and per-warp column sums        (stats_posted)
 //   2. both compute the common reference per column, the factor that moves each warpgroup's part to it, and the
-//      total; each scales its O^T and hands the other the dim blocks that one finishes (kExchangeWritten):
-//      warpgroup w finishes dims [256 w, + 256)
+//      total; each scales its O^T and hands the other the dim blocks that one finishes (exchange_posted, in
+//      rounds; exchange_read before a round's writes): warpgroup w finishes dims [256 w, + 256)
+// The hand-offs are mbarriers of all 256 threads (arrive, then wait for the phase), so every write is ordered
+// before the other warpgroup's reads and every read before the next writes (the next piece's stats_posted
+// waits for both warpgroups' arrivals, which come after their reads).
 //   3. each normalises its dims and writes them: unsplit pieces out (bf16, attention sink applied) and lse,
 //      split ones fp32 partials and lse to the piece's workspace slot (the combine kernel reads them)
 // A piece with no pages, or a warpgroup that got none of its pages, has references -inf and sums 0: it adds
@@ -11,6 +14,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
 
 #include "params.h"
 #include "softmax.h"
@@ -26,19 +30,20 @@ struct TransposedEpilogue {
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSlots = Traits::kSlots;
-  static constexpr int kMergeThreads = Traits::kComputeWarpgroups * kWgThreads;
   static constexpr float kLn2 = 0.6931471805599453f;
 
   // tOrO: the warpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in load_vt_fragment's dim
   // order, block k holding dims 64 ((k + 4 w) mod 8) (accumulate_o): blocks 0-3 are the warpgroup's own half, 4-7
   // the other's. `stats` its references and this thread's sums. Leaves tOrO scaled and merged (the caller clears
-  // it). Both warpgroups run the same instructions: the barriers are shared, and a block index that depended on
-  // the warpgroup would be a runtime index of tOrO (all of it on the stack) or a select the compiler unswitches
-  // into a copy per warpgroup.
+  // it). Both warpgroups run the same instructions (a block index that depended on the warpgroup would be a runtime
+  // index of tOrO, all of it on the stack, or a select the compiler unswitches into a copy per warpgroup).
+  // `merges`: the pieces this warpgroup merged before (the mbarriers' phases), incremented here.
   template <class TensorO>
   __device__ __forceinline__ static void write(const DecodeParams& p, const SplitKvScales& scales, SharedStorage& smem,
                                                const Piece& piece, int kv_head, int warpgroup, TensorO& tOrO,
-                                               const ColumnStats<kSlots>& stats) {
+                                               const ColumnStats<kSlots>& stats, int& merges) {
+    using Barrier = cutlass::arch::ClusterBarrier;
+    constexpr int kRounds = Traits::kExchangeRounds;
     constexpr int kHalf = Traits::kExchangeBlocks;
     const int other = 1 - warpgroup;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32, quad_lane = lane % 4;
@@ -53,7 +58,8 @@ struct TransposedEpilogue {
       if (lane < 4) smem.piece_sum[warpgroup][warp][column_of(c, lane)] = sum;
       if (lane < 4 && warp == 0) smem.piece_ref[warpgroup][column_of(c, lane)] = stats.ref[c];
     }
-    named_sync(barrier_id(TransposedBarrier::kPieceStatsWritten), kMergeThreads);
+    Barrier::arrive(&smem.stats_posted);
+    Barrier::wait(&smem.stats_posted, merges & 1);
 
     // ---- 2. the common reference, both parts moved to it, and the hand-over ------------------------------------
     float top[kSlots], total[kSlots], own_factor[kSlots];
@@ -82,14 +88,15 @@ struct TransposedEpilogue {
     // blocks k, as float4s of consecutive values (kValues a block).
     CUTE_UNROLL
     for (int round = 0; round < Traits::kExchangeRounds; ++round) {
-      if (round > 0) named_sync(barrier_id(TransposedBarrier::kExchangeRead), kMergeThreads);
+      if (round > 0) Barrier::wait(&smem.exchange_read, (merges * (kRounds - 1) + round - 1) & 1);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
         const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
         smem.exchange[warpgroup][f][t] = make_float4(tOrO(i, kHalf + k, 0), tOrO(i + 1, kHalf + k, 0),
                                                      tOrO(i + 2, kHalf + k, 0), tOrO(i + 3, kHalf + k, 0));
       }
-      named_sync(barrier_id(TransposedBarrier::kExchangeWritten), kMergeThreads);
+      Barrier::arrive(&smem.exchange_posted);
+      Barrier::wait(&smem.exchange_posted, (merges * kRounds + round) & 1);
       CUTE_UNROLL
       for (int f = 0; f < Traits::kExchangeFloat4s; ++f) {
         const int k = Traits::kRoundBlocks * round + 4 * f / Traits::kValues, i = 4 * f % Traits::kValues;
@@ -99,7 +106,9 @@ struct TransposedEpilogue {
         tOrO(i + 2, k, 0) += v.z;
         tOrO(i + 3, k, 0) += v.w;
       }
+      if (round + 1 < kRounds) Barrier::arrive(&smem.exchange_read);
     }
+    ++merges;
 
     // ---- 3. normalise and write: a thread holds dims (2 g, 2 g + 1) of each dim block's warp rows ---------------
     const int dim_pair = 16 * warp + 2 * (lane / 4);

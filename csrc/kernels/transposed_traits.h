@@ -30,7 +30,7 @@ struct TransposedTraits {
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
-  // Page buffers (H200, benchmarks/transposed_pipeline.cu at 16 rows: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
+  // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
   // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16).
   static constexpr int kRing = kRows == 16 ? 4 : 3;
@@ -92,31 +92,30 @@ struct TransposedTraits {
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
     alignas(8) uint64_t q_empty[kQSlots];
+    alignas(8) uint64_t stats_posted;       // the epilogue's hand-offs (transposed_epilogue.h), 256 arrivals each
+    alignas(8) uint64_t exchange_posted;
+    alignas(8) uint64_t exchange_read;
   };
   static constexpr int kSmemBytes = sizeof(SharedStorage);
   static_assert(kSmemBytes <= 227 * 1024, "one CTA per SM");
 };
 
-// Named barriers (bar.sync / bar.red ids; 0 is __syncthreads), by the event they signal.
+// Named barriers of one warpgroup (bar.sync / bar.red ids; 0 is __syncthreads), by the event they signal. The two
+// warpgroups' hand-offs are mbarriers (SharedStorage).
 enum class TransposedBarrier : uint32_t {
   kPtWritten = 1,          // + warpgroup: the warpgroup's P^T of this page is in shared memory (128 threads)
   kReferenceVote = 3,      // + warpgroup: bar.red.or over "some column's maximum passed its reference"
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
-  kPieceStatsWritten = 9,  // both warpgroups (256 threads): references and sums of the piece
-  kExchangeWritten = 10,   // both warpgroups: each one's hand-over dim blocks (of one round)
-  kExchangeRead = 11,      // both warpgroups: the round before's hand-over was read (the area may be written)
 };
-static_assert(static_cast<uint32_t>(TransposedBarrier::kExchangeRead) < 16, "bar.sync ids are 0..15");
+static_assert(static_cast<uint32_t>(TransposedBarrier::kColMaxRead) + 1 < 16, "bar.sync ids are 0..15");
 
 // The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
-__device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup = 0) {
+__device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup) {
   return static_cast<uint32_t>(barrier) + warpgroup;
 }
 
-// barrier.sync on hardware barrier `id` by `threads` threads: the non-aligned form (bar.sync is
-// barrier.sync.aligned, which requires every participant to execute the same instruction; they do, but the
-// compiler's code motion is not bound to keep it so).
+// barrier.sync on hardware barrier `id` by `threads` threads.
 __device__ __forceinline__ void named_sync(uint32_t id, int threads) {
   asm volatile("barrier.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
