@@ -17,7 +17,8 @@
 #
 # Environment: PYTHON (default python3), OUT_DIR (logs, default sanitizer-logs), COMPUTE_SANITIZER (default
 # $CUDA_HOME/bin/compute-sanitizer, else compute-sanitizer on PATH), SANITIZER_KERNELS (kernel filter of
-# racecheck/synccheck, default kns=mla_: mla_metadata_kernel, mla_splitkv_kernel, mla_combine_kernel),
+# racecheck/synccheck, default kns=mla_: mla_metadata_kernel, mla_splitkv_kernel, mla_splitkv_fp8_transposed_kernel,
+# mla_combine_kernel),
 # MEMCHECK_BACKENDS (default cuda,triton).
 # Prints one line per tool with its ERROR SUMMARY (and RACECHECK SUMMARY); exits 1 if any tool reported an
 # error or the driver failed (wrong result, crash), 2 if compute-sanitizer is missing.
