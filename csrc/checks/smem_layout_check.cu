@@ -8,12 +8,19 @@
 //  6. e4m3 scores: SmemLayoutQ8 / SmemLayoutK8 put e4m3 element (r, 128 u + j) of Q unit u / page unit u where
 //     load_q_bytes / a SWIZZLE_128B TMA box put it (unit base + 128 r + 16 ((j / 16) ^ (r % 8)) + j % 16), and S's
 //     accumulator is laid out as the 16-bit S's (the softmax and P are shared).
+//  7. The transposed FP8 kernel (transposed_traits.h, 16 and 32 rows): page_chunk_offset / pt_chunk_offset (where
+//     the V^T ldmatrix and the P^T stmatrix address) are where SmemLayoutPage / SmemLayoutPt hold those chunks; S^T's
+//     and O^T's accumulator value i of thread t is (row 16 w + g + 8 ((i >> 1) & 1), column 2 q + (i & 1) +
+//     8 (i >> 2)) (w = t / 32, g = t % 32 / 4, q = t % 4: slot_of / column_of); and O^T's register-A value 2 j + e
+//     is (row 16 w + g + 8 (j & 1), key 2 q + e + 8 (j >> 1)), the order load_vt_fragment fills a[j] in (dims 2 g
+//     and 2 g + 1 as rows g and g + 8).
 // For the bf16, fp16 and FP8-cache (fp16 math) traits.
 #include <cstdio>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
 
 #include "splitkv_traits.h"
+#include "transposed_traits.h"
 
 template <class Element, class CacheElement = Element>
 int check() {
@@ -87,9 +94,55 @@ int check_e4m3_scores() {
   return errors;
 }
 
+// 7.
+template <int kRows>
+int check_transposed() {
+  using namespace cute;
+  using T = flash_mla::TransposedTraits<kRows>;
+  auto bytes = [](auto layout, int i, int j, int element_bytes) {
+    return int(layout.layout_a()(element_bytes * int(layout.layout_b()(i, j))));
+  };
+  int errors = 0;
+  for (int key = 0; key < flash_mla::kPageBlockSize; ++key)
+    for (int unit = 0; unit < T::kUnits; ++unit)
+      for (int chunk = 0; chunk < 8; ++chunk)
+        for (int e = 0; e < 16; ++e) {
+          const int have = bytes(typename T::SmemLayoutPage{}, key, 128 * unit + 16 * chunk + e, 1);
+          const int want = T::page_chunk_offset(key, unit, chunk) + e;
+          if (have != want && errors++ < 5) printf("page (%d, %d) at %d, not %d\n", key, 128 * unit + 16 * chunk + e, have, want);
+        }
+  for (int row = 0; row < kRows; ++row)
+    for (int kc = 0; kc < 8; ++kc)
+      for (int e = 0; e < 8; ++e) {
+        const int have = bytes(typename T::SmemLayoutPt{}, row, 8 * kc + e, 2), want = T::pt_chunk_offset(row, kc) + 2 * e;
+        if (have != want && errors++ < 5) printf("P^T (%d, %d) at %d, not %d\n", row, 8 * kc + e, have, want);
+      }
+  auto check_c = [&](auto tv, int cols, const char* what) {
+    if (int(size<1>(tv)) != cols / 2) errors++, printf("%s: %d values a thread\n", what, int(size<1>(tv)));
+    for (int t = 0; t < 128; ++t)
+      for (int i = 0; i < cols / 2; ++i) {
+        const int row = 16 * (t / 32) + t % 32 / 4 + 8 * ((i >> 1) & 1), col = 2 * (t % 4) + (i & 1) + 8 * (i >> 2);
+        if (int(tv(t, i)) != row + 64 * col && errors++ < 5) printf("%s value %d of thread %d\n", what, i, t);
+      }
+  };
+  check_c(typename T::TiledMmaS{}.get_layoutC_TV(), kRows, "S^T");
+  check_c(typename T::TiledMmaO{}.get_layoutC_TV(), kRows, "O^T");
+  auto a_tv = typename T::TiledMmaO{}.get_layoutA_TV();
+  if (int(size<1>(a_tv)) != 8) errors++, printf("O^T's A: %d values a thread\n", int(size<1>(a_tv)));
+  for (int t = 0; t < 128; ++t)
+    for (int v = 0; v < 8; ++v) {
+      const int j = v / 2, e = v % 2;
+      const int row = 16 * (t / 32) + t % 32 / 4 + 8 * (j & 1), key = 2 * (t % 4) + e + 8 * (j >> 1);
+      if (int(a_tv(t, v)) != row + 64 * key && errors++ < 5) printf("O^T's A value %d of thread %d\n", v, t);
+    }
+  printf("transposed FP8, %d rows: %d errors; smem bytes %d\n", kRows, errors, T::kSmemBytes);
+  return errors;
+}
+
 int main() {
   const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>() +
-                     check<cutlass::half_t, cutlass::float_e4m3_t>() + check_e4m3_scores();
+                     check<cutlass::half_t, cutlass::float_e4m3_t>() + check_e4m3_scores() + check_transposed<16>() +
+                     check_transposed<32>();
   printf(errors ? "FAILED\n" : "OK\n");
   return errors ? 1 : 0;
 }

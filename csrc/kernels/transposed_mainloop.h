@@ -261,7 +261,7 @@ struct TransposedMainloop {
       const int j = 4 * s + lane / 8;
       const int row = 8 * (j >> 1) + lane % 8;               // P^T's row: a query column
       const int key0 = 16 * warp + 8 * (j & 1);              // the matrix's first key
-      const uint32_t addr = pt + row * 128 + (((key0 / 8) ^ (row % 8)) * 16);    // SmemLayoutPt, 128-byte swizzle
+      const uint32_t addr = pt + Traits::pt_chunk_offset(row, key0 / 8);
       asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};"
                    :: "r"(addr), "r"(probs[4 * s]), "r"(probs[4 * s + 1]), "r"(probs[4 * s + 2]), "r"(probs[4 * s + 3])
                    : "memory");
@@ -281,8 +281,7 @@ struct TransposedMainloop {
   __device__ __forceinline__ static void load_vt_fragment(uint32_t page, int dim0, int key0, int valid_keys, uint32_t (&a)[4]) {
     const int lane = threadIdx.x % 32;
     const int key = key0 + (lane & 15);                     // lanes 0-7 address matrix 0's rows, 8-15 matrix 1's
-    const int unit = dim0 / Traits::kUnitCols, chunk = (dim0 % Traits::kUnitCols) / 16;
-    const uint32_t row = page + unit * Traits::kUnitBytes + key * 128 + ((chunk ^ (key % 8)) * 16);
+    const uint32_t row = page + Traits::page_chunk_offset(key, dim0 / Traits::kUnitCols, dim0 % Traits::kUnitCols / 16);
     uint32_t m[2];
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(m[0]), "=r"(m[1]) : "r"(row));
     CUTE_UNROLL

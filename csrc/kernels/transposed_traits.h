@@ -67,6 +67,18 @@ struct TransposedTraits {
   // ahead: two sets of 4 kBatchBlocks registers a thread (at 32 rows O^T's 128 leave room for two sets of 16).
   static constexpr int kBatchBlocks = kRows == 16 ? 8 : 4;
 
+  // Byte offset in a page buffer of 16-byte chunk `chunk` (< 8) of unit `unit` of key `key`, i.e. of e4m3 columns
+  // 128 unit + 16 chunk .. + 15: units of 64 keys x 128 bytes with the 128-byte swizzle (SmemLayoutPage, as TMA
+  // lands a box; csrc/checks/smem_layout_check.cu).
+  __host__ __device__ static constexpr int page_chunk_offset(int key, int unit, int chunk) {
+    return unit * kUnitBytes + key * 128 + ((chunk ^ (key % 8)) * 16);
+  }
+  // Byte offset in a P^T buffer of the 16-byte chunk holding keys [8 k, 8 k + 8) of row (query column) `row`
+  // (SmemLayoutPt: rows of 64 fp16 keys, the 128-byte swizzle).
+  __host__ __device__ static constexpr int pt_chunk_offset(int row, int key_chunk) {
+    return row * 128 + (key_chunk ^ (row % 8)) * 16;
+  }
+
   using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
                                                       cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
