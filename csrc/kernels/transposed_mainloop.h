@@ -13,9 +13,10 @@
 //                                                 if so: the warps' maxima via shared memory, O^T and sums
 //                                                 rescaled to the new reference
 //                                               P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
-//                                               O^T += V^T P^T     4 key blocks, 8 dim blocks each, V^T
-//                                                                  widened into registers one key block
-//                                                                  ahead of the WGMMAs that read it
+//                                               O^T += V^T P^T     4 key blocks x 8 dim blocks, in batches
+//                                                                  of 8 (16 rows) or 4 (32) dim blocks, V^T
+//                                                                  widened into registers one batch ahead
+//                                                                  of the WGMMAs that read it
 //                                               arrive page_empty[n % ring] (its O^T WGMMAs complete)
 //                                             arrive q_empty[slot]
 //                                             epilogue (both warpgroups: merge, normalise, write)

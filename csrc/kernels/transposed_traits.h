@@ -20,7 +20,8 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-// The CTA's roles: two computing warpgroups (pages 2 j and 2 j + 1 of the CTA's stream), then one producer warp.
+// The CTA's warpgroups: two computing (pages 2 j and 2 j + 1 of the CTA's stream), then the producer (one warp of it
+// issues the copies).
 enum class TransposedRole : int { kEvenPages = 0, kOddPages = 1, kProducer = 2 };
 
 template <int kRows_>
@@ -50,7 +51,6 @@ struct TransposedTraits {
   // A page in shared memory: five units of 64 keys x 128 e4m3 columns, one TMA box each (kv_cache_tma.h); units
   // 0-3 are V (and K's latent part), unit 4 RoPE, whose columns 576..639 TMA fills with zeros and S never reads.
   static constexpr int kUnits = 5;
-  static constexpr int kVUnits = 4;
   static constexpr int kUnitCols = 128;
   static constexpr int kUnitBytes = kPageBlockSize * kUnitCols;
   static constexpr int kPageBytes = kUnits * kUnitBytes;
