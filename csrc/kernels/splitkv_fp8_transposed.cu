@@ -1,4 +1,4 @@
-// The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 16 packed query rows per KV head): the
+// The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 32 packed query rows per KV head): the
 // kernel shell and its launcher. The parts:
 //   transposed_traits.h     tile, layouts, WGMMA shapes, shared memory, named barriers
 //   transposed_mainloop.h   the producer warp's copies and a computing warpgroup's page (schedule at its top)
@@ -11,8 +11,6 @@
 #include <cutlass/arch/barrier.h>
 #include <cutlass/arch/grid_dependency_control.h>
 #include <cutlass/arch/reg_reconfig.h>
-
-#include <cstring>
 
 #include "kv_cache_tma.h"
 #include "launch.h"

@@ -131,7 +131,7 @@ struct TransposedMainloop {
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
     auto thr_s = mma_s.get_slice(t);
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot])),
-                            typename Traits::SmemLayoutQ{});                                     // (16, 640)
+                            typename Traits::SmemLayoutQ{});                                     // (N, 640)
     Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])),
                             typename Traits::SmemLayoutPage{});                                  // (64, 640)
     Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                // (MMA, 1, 20)
@@ -190,9 +190,9 @@ struct TransposedMainloop {
     passed = vote_any(passed, barrier_id(TransposedBarrier::kReferenceVote, warpgroup));
     if (passed) move_references(scales, smem, warpgroup, col_max, tOrO, stats);
 
-    uint32_t probs[Traits::kRows / 4];    // fp16 pairs: register j holds values 2 j, 2 j + 1 (one key, two columns)
+    uint32_t probs[kSlots];    // fp16 pairs: register j holds values 2 j, 2 j + 1 (one key, two columns)
     CUTE_UNROLL
-    for (int j = 0; j < Traits::kRows / 4; ++j) {
+    for (int j = 0; j < kSlots; ++j) {
       const int c = slot_of(2 * j);
       const float e0 = exp2f(tSrS(2 * j) * scales.score_log2 - exp2_base(stats.ref[c], scales.score_log2));
       const float e1 = exp2f(tSrS(2 * j + 1) * scales.score_log2 - exp2_base(stats.ref[c + 1], scales.score_log2));
@@ -252,9 +252,9 @@ struct TransposedMainloop {
     }
   }
 
-  // P^T into the warpgroup's (16 rows, 64 keys) fp16 buffer: 8 x 8 matrices (keys x columns) stored transposed,
+  // P^T into the warpgroup's (N rows, 64 keys) fp16 buffer: 8 x 8 matrices (keys x columns) stored transposed,
   // four a stmatrix; register j is the matrix of keys 16 warp + 8 (j & 1) .. + 7 and columns 8 (j >> 1) .. + 7.
-  __device__ __forceinline__ static void store_pt(SharedStorage& smem, int warpgroup, const uint32_t (&probs)[Traits::kRows / 4]) {
+  __device__ __forceinline__ static void store_pt(SharedStorage& smem, int warpgroup, const uint32_t (&probs)[kSlots]) {
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
     const uint32_t pt = static_cast<uint32_t>(__cvta_generic_to_shared(smem.pt[warpgroup]));
     CUTE_UNROLL
@@ -271,12 +271,12 @@ struct TransposedMainloop {
     named_sync(barrier_id(TransposedBarrier::kPtWritten, warpgroup), kWgThreads);
   }
 
-  // The A fragment of one m64n16k16 O^T WGMMA (warp w: dims dim0 .. dim0 + 15, keys key0 .. key0 + 15): two 8 x 16-
+  // The A fragment of one m64nNk16 O^T WGMMA (warp w: dims dim0 .. dim0 + 15, keys key0 .. key0 + 15): two 8 x 16-
   // byte matrices of e4m3 (keys x dim pairs) transposed by ldmatrix, so that a thread holds, for the dim pair
   // (2 g, 2 g + 1) (g = lane / 4), keys 2 t, 2 t + 1 and 8 + 2 t, 9 + 2 t (t = lane % 4); prmt splits each register
   // by dim and cvt widens it. The fragment's rows g and g + 8 are then dims 2 g and 2 g + 1 (the RS A layout: a0
   // (g, 2 t), a1 (g + 8, 2 t), a2 (g, 8 + 2 t), a3 (g + 8, 8 + 2 t)): O^T's rows come out in that order, which the
-  // epilogue undoes (dim_of_row). kTail: keys at or past valid_keys become zeros (a partial page: the cache's slots
+  // epilogue's stores follow (a thread's values i and i + 2 are dims 2 g and 2 g + 1). kTail: keys at or past valid_keys become zeros (a partial page: the cache's slots
   // past a sequence's end may hold NaN, and P = 0 times NaN would be NaN).
   template <bool kTail>
   __device__ __forceinline__ static void load_vt_fragment(uint32_t page, int dim0, int key0, int valid_keys, uint32_t (&a)[4]) {
