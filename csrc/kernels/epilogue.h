@@ -17,6 +17,7 @@
 
 #include "named_barriers.h"
 #include "params.h"
+#include "result_rows.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "utils.h"
@@ -142,16 +143,15 @@ struct SplitKvEpilogue {
     }
   }
 
-  // An unsplit piece's lse of packed row `row` (< rows_per_kv) into lse (batch, num_heads_q, seqlen_q).
+  // An unsplit piece's lse of packed row `row` (< rows_per_kv).
   __device__ static void store_lse(const DecodeParams& p, const Piece& piece, int kv_head, int row, float lse) {
-    const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
-    p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
+    p.lse[ResultRow(p, kv_head, row).lse_offset(p, piece.seq)] = lse;
   }
 
   // 1 / (1 + exp(sink - lse)) for packed row `row` (SPEC.md "attn_sink"); 1 without a sink.
   __device__ static float sink_factor(const DecodeParams& p, int row, int kv_head, float lse) {
     if (p.attn_sink == nullptr || row >= p.rows_per_kv) return 1.f;
-    const float sink = p.attn_sink[kv_head * p.heads_per_kv + row % p.heads_per_kv];
+    const float sink = p.attn_sink[ResultRow(p, kv_head, row).head];
     return 1.f / (1.f + expf(sink - lse));
   }
 
@@ -163,8 +163,7 @@ struct SplitKvEpilogue {
     if (row >= p.rows_per_kv) return;       // padding row of the last tile
     const int col0 = warpgroup * kColsPerWarpgroup;
     if (!piece.split) {
-      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
-      const int64_t offset = ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV + col0;
+      const int64_t offset = ResultRow(p, kv_head, row).out_offset(p, piece.seq) + col0;
       auto store_out = [&](auto type_tag) {
         using Out = decltype(type_tag);
         Out* dst = static_cast<Out*>(p.out) + offset;
@@ -184,10 +183,10 @@ struct SplitKvEpilogue {
       }
       if (warpgroup == 0 && quad_leader) store_lse(p, piece, kv_head, row, lse);
     } else {
-      const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
-      float* dst = p.o_partial + partial_row * kHeadDimV + col0;
+      const int64_t slot_row = partial_row(p, piece.slot, kv_head, row);
+      float* dst = p.o_partial + slot_row * kHeadDimV + col0;
       for_each_pair([&](int col, float x0, float x1) { *reinterpret_cast<float2*>(dst + col) = make_float2(x0, x1); });
-      if (warpgroup == 0 && quad_leader) p.lse_partial[partial_row] = lse;
+      if (warpgroup == 0 && quad_leader) p.lse_partial[slot_row] = lse;
     }
   }
 };

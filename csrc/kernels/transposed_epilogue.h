@@ -17,6 +17,7 @@
 #include <cutlass/arch/barrier.h>
 
 #include "params.h"
+#include "result_rows.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "transposed_mainloop.h"
@@ -118,30 +119,27 @@ struct TransposedEpilogue {
       if (row >= p.rows_per_kv) continue;
       const bool seen = !(total[c] == 0.f);       // a NaN total stays NaN in out and lse
       const float lse = seen ? (exp2_base(top[c], scales.score_log2) + log2f(total[c])) * kLn2 : -INFINITY;
-      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      const ResultRow result(p, kv_head, row);
       float inv = seen ? scales.out / total[c] : 0.f;
-      if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[head] - lse);
+      if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[result.head] - lse);
       const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
       if (!piece.split) {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) +
-                             ((int64_t(piece.seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV;
+        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + result.out_offset(p, piece.seq);
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {
           *reinterpret_cast<__nv_bfloat162*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
               __floats2bfloat162_rn(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
-        if (warpgroup == 0 && warp == 0 && lane < 4) {
-          p.lse[(int64_t(piece.seq) * p.num_heads_q + head) * p.seqlen_q + token] = lse;
-        }
+        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse[result.lse_offset(p, piece.seq)] = lse;
       } else {
-        const int64_t partial_row = (int64_t(piece.slot) * p.num_heads_k + kv_head) * p.rows_per_kv + row;
-        float* out = p.o_partial + partial_row * kHeadDimV;
+        const int64_t slot_row = partial_row(p, piece.slot, kv_head, row);
+        float* out = p.o_partial + slot_row * kHeadDimV;
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {
           *reinterpret_cast<float2*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
               make_float2(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
-        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse_partial[partial_row] = lse;
+        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse_partial[slot_row] = lse;
       }
     }
   }
