@@ -773,10 +773,9 @@ def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
 def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal):
     """At most 32 packed query rows per KV head with an fp8 q: the transposed kernel (csrc/kernels/transposed_*.h;
     its 16-row tile at 16, 12, 4 and 1 rows, its 32-row tile at 32, 24 and 20, causal across s_q tokens, two KV
-    heads). One SM part walks every piece (the producer's
-    ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0 rows merge nothing), 7
-    and 132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory,
-    an attention sink."""
+    heads). One SM part walks every piece (the producer's ring and Q slots wrap, the two warpgroups' page parity
+    changes across pieces, L = 0 rows merge nothing), 7 and 132 cut sequences into split pieces; NaN / +-448 codes
+    past every end, outputs from NaN-poisoned memory, an attention sink."""
     cuda_fp8_or_skip()
     lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049, 0]
     batch = make(lengths, s_q, h_q, h_kv, FP8, (0.01, 37.0), causal, seed=330 + num_sms + 10 * s_q + h_q + h_kv,
