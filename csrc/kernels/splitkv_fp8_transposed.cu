@@ -24,10 +24,10 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-template <int kRows>
-__global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
+template <int kRows, bool kBf16Q>
+__global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
     mla_splitkv_fp8_transposed_kernel(const __grid_constant__ DecodeParams params) {
-  using Traits = TransposedTraits<kRows>;
+  using Traits = TransposedTraits<kRows, kBf16Q>;
   using Mainloop = TransposedMainloop<Traits>;
   using Epilogue = TransposedEpilogue<Traits>;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -44,7 +44,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
       Barrier::init(&smem.page_empty[b], Traits::kWarpgroupThreads);          // the consuming warpgroup
     }
     for (int s = 0; s < Traits::kQSlots; ++s) {
-      Barrier::init(&smem.q_full[s], 32);                                     // the producer warp's cp.async
+      Barrier::init(&smem.q_full[s], 32);                                     // the producer warp's lanes
       Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
     }
     for (uint64_t* merge : {&smem.stats_posted, &smem.exchange_posted, &smem.exchange_read}) {
@@ -90,15 +90,17 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
+    SplitKvScales piece_scales = scales;    // a bf16 q: the Q tile's own descale in the score scale
     if (pages > 0) {
       const int q_slot = q_count % Traits::kQSlots;
       Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
       cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
+      if constexpr (kBf16Q) piece_scales.score_log2 *= smem.q_descale[q_slot];
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
         Barrier::wait(&smem.page_full[buffer], (n / Traits::kRing) & 1);
-        Mainloop::page(params, scales, smem, warpgroup, buffer, q_slot, piece,
+        Mainloop::page(params, piece_scales, smem, warpgroup, buffer, q_slot, piece,
                        piece.begin + page * kPageBlockSize, tOrO, stats);
         Barrier::arrive(&smem.page_empty[buffer]);
       }
@@ -106,14 +108,14 @@ __global__ void __launch_bounds__(TransposedTraits<kRows>::kThreads, 1)
       ++q_count;
       stream_page += pages;
     }
-    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
+    Epilogue::write(params, piece_scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
   }
 }
 
-template <int kRows>
+template <int kRows, bool kBf16Q = false>
 void launch_transposed(DecodeParams& params, cudaStream_t stream) {
-  using Traits = TransposedTraits<kRows>;
-  auto kernel = mla_splitkv_fp8_transposed_kernel<kRows>;
+  using Traits = TransposedTraits<kRows, kBf16Q>;
+  auto kernel = mla_splitkv_fp8_transposed_kernel<kRows, kBf16Q>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // One row tile per KV head: launched as a programmatic dependent, as the split-KV kernel's one-tile grids are
   // (splitkv_kernel.h).
@@ -126,7 +128,9 @@ void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void*
   DecodeParams params = binding_params;
   encode_kv_cache_tma(params, CacheDtype::kE4m3);
   params.out_by_tma = false;
-  if (params.rows_per_kv <= 16) {
+  if (params.q_format == kQBf16) {    // the binding sends a bf16 q here at <= kTransposedBf16QMaxRows rows only
+    launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
+  } else if (params.rows_per_kv <= 16) {
     launch_transposed<16>(params, static_cast<cudaStream_t>(stream));
   } else {
     launch_transposed<32>(params, static_cast<cudaStream_t>(stream));

@@ -103,12 +103,16 @@ struct TransposedMainloop {
 
   // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
   // in SmemLayoutQ, by cp.async from all 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
-  // kernel zeroes both slots once); columns 576..639 are never read.
+  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_two_terms.
   __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
     using namespace cute;
     const int slot = q_count % kQSlots;
     if (q_count >= kQSlots) Barrier::wait(&smem.q_empty[slot], ((q_count / kQSlots) & 1) ^ 1);
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
+    if constexpr (Traits::kBf16Q) {
+      load_q_two_terms(p, smem, seq, kv_head, slot);
+      return;
+    }
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][0])), typename Traits::SmemLayoutQ{});
     const uint8_t* q = static_cast<const uint8_t*>(p.q) + int64_t(seq) * p.q_batch_stride;
 #pragma unroll 1
     for (int chunk = threadIdx.x % 32; chunk < p.rows_per_kv * Traits::kQChunksPerRow; chunk += 32) {
@@ -117,6 +121,60 @@ struct TransposedMainloop {
       cp_async_16_zfill(&sQ(row, col), q + token * p.q_token_stride + head * p.q_head_stride + col, true);
     }
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
+  }
+
+  // A bf16 Q tile as two e4m3 terms: d = max(amax / 448, 2^-126) over the tile (the rows_per_kv rows), then per value
+  // x / d = hi + lo, hi = e4m3(x / d), lo = e4m3(x / d - hi) (both round to nearest, saturating), into the slot's
+  // two SmemLayoutQ tiles, and d into q_descale[slot]. NaN stays NaN (fmaxf leaves it out of the maximum; x / d is
+  // NaN). Two passes over the tile's 16-byte chunks of 8 values (the second from L1 / L2).
+  __device__ __forceinline__ static void load_q_two_terms(const DecodeParams& p, SharedStorage& smem, int seq,
+                                                          int kv_head, int slot) {
+    using namespace cute;
+    constexpr int kChunksPerRow = kHeadDimQK / 8;
+    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + int64_t(seq) * p.q_batch_stride;
+    const int chunks = p.rows_per_kv * kChunksPerRow, lane = threadIdx.x % 32;
+    auto source = [&](int chunk) {
+      const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * 8;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      return *reinterpret_cast<const uint4*>(q + token * p.q_token_stride + head * p.q_head_stride + col);
+    };
+    float amax = 0.f;
+#pragma unroll 1
+    for (int chunk = lane; chunk < chunks; chunk += 32) {
+      const uint4 v = source(chunk);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = __bfloat1622float2(pairs[k]);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
+    Tensor sHi = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][0])), typename Traits::SmemLayoutQ{});
+    Tensor sLo = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][1])), typename Traits::SmemLayoutQ{});
+#pragma unroll 1
+    for (int chunk = lane; chunk < chunks; chunk += 32) {
+      const uint4 v = source(chunk);
+      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+      uint16_t hi[4], lo[4];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        float2 x = __bfloat1622float2(pairs[k]);
+        x.x *= scale;
+        x.y *= scale;
+        hi[k] = __nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, __NV_E4M3);
+        const float2 h = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi[k], __NV_E4M3)));
+        lo[k] = __nv_cvt_float2_to_fp8x2(make_float2(x.x - h.x, x.y - h.y), __NV_SATFINITE, __NV_E4M3);
+      }
+      const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * 8;    // 8 bytes within a 16-byte chunk
+      *reinterpret_cast<uint2*>(&sHi(row, col)) = make_uint2(hi[0] | uint32_t(hi[1]) << 16, hi[2] | uint32_t(hi[3]) << 16);
+      *reinterpret_cast<uint2*>(&sLo(row, col)) = make_uint2(lo[0] | uint32_t(lo[1]) << 16, lo[2] | uint32_t(lo[3]) << 16);
+    }
+    if (lane == 0) smem.q_descale[slot] = descale;
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
+    Barrier::arrive(&smem.q_full[slot]);
   }
 
   // ====================================== a computing warpgroup =============================================
@@ -130,11 +188,14 @@ struct TransposedMainloop {
     typename Traits::TiledMmaS mma_s;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
     auto thr_s = mma_s.get_slice(t);
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot])),
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][0])),
                             typename Traits::SmemLayoutQ{});                                     // (N, 640)
+    Tensor sQlo = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][Traits::kQTerms - 1])),
+                              typename Traits::SmemLayoutQ{});                                   // (N, 640)
     Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])),
                             typename Traits::SmemLayoutPage{});                                  // (64, 640)
     Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                // (MMA, 1, 20)
+    Tensor tSrQlo = thr_s.partition_fragment_B(sQlo);                                            // (MMA, 1, 20)
     Tensor tSrK = thr_s.partition_fragment_A(sK);                                                // (MMA, 1, 20)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kRows>>{});                 // (MMA, 1, 1)
     Tensor tSrU = make_fragment_like(tSrS);                                                      // a unit's part
@@ -151,6 +212,10 @@ struct TransposedMainloop {
       for (int kk = 0; kk < (unit == Traits::kUnits - 1 ? (kHeadDimQK % Traits::kUnitCols) / 32 : kSteps); ++kk) {
         mma_s.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
         gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQ(_, _, unit * kSteps + kk), acc);
+        if constexpr (Traits::kBf16Q) {    // the second term into the same partial
+          mma_s.accumulate_ = GMMA::ScaleOut::One;
+          gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQlo(_, _, unit * kSteps + kk), acc);
+        }
       }
       warpgroup_commit_batch();
       warpgroup_wait<0>();

@@ -24,12 +24,19 @@ FLASH_MLA_NAMESPACE_BEGIN
 // issues the copies).
 enum class TransposedRole : int { kEvenPages = 0, kOddPages = 1, kProducer = 2 };
 
-template <int kRows_>
+template <int kRows_, bool kBf16Q_ = false>
 struct TransposedTraits {
   using E4m3 = cutlass::float_e4m3_t;
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
+  // A bf16 q: the producer quantises each Q tile to two e4m3 terms with one descale per tile, q / d = q_hi + q_lo
+  // (q_lo = e4m3(q / d - q_hi)), and S^T's WGMMAs take both (out rel-L2 ~6.5e-4 in a float64 model, against
+  // ~2.7e-2 for one term; docs/PERF.md "FP8 cache"). 16 rows only (the second term's S^T work hides under the
+  // copies there; its Q tiles leave room for a ring of four pages).
+  static constexpr bool kBf16Q = kBf16Q_;
+  static constexpr int kQTerms = kBf16Q ? 2 : 1;
+  static_assert(!kBf16Q || kRows_ == 16, "a bf16 q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
@@ -41,10 +48,16 @@ struct TransposedTraits {
   // A whole producer warpgroup (one warp of it works) so that setmaxnreg can move its registers to the computing
   // warpgroups: with 9 warps one SM sub-partition holds 3 and ptxas allows 168 registers a thread (28 bytes spilled).
   static constexpr int kThreads = (kComputeWarpgroups + 1) * kWarpgroupThreads;
-  static constexpr int kComputeRegisters = 240;
-  static constexpr int kProducerRegisters = 24;
-  static_assert(kWarpgroupThreads * (kComputeWarpgroups * kComputeRegisters + kProducerRegisters) <= 64 * 1024,
-                "the register file");
+  // Registers a thread after setmaxnreg (multiples of 8). The split may use no more than the CTA got at launch
+  // (168 a thread at 384 threads): setmaxnreg.inc takes registers from the CTA's own pool, which only the producer's
+  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A bf16 q: the
+  // producer's conversion to two e4m3 terms spilled at 24, so 32, and the computing warpgroups give up 8.
+  static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = kBf16Q ? 32 : 24;
+  static constexpr int kComputeRegisters = kBf16Q ? 232 : 240;
+  static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
+                    (kComputeWarpgroups + 1) * kLaunchRegisters,
+                "the registers setmaxnreg hands out are those the CTA was launched with");
   static constexpr int kSlots = kRows / 4;             // query columns a thread holds in S^T and O^T
   static constexpr int kValues = kRows / 2;            // accumulator values a thread holds per 64-row block
 
@@ -54,13 +67,14 @@ struct TransposedTraits {
   static constexpr int kUnitCols = 128;
   static constexpr int kUnitBytes = kPageBlockSize * kUnitCols;
   static constexpr int kPageBytes = kUnits * kUnitBytes;
-  static constexpr int kQBytes = kRows * kUnits * kUnitCols;
+  static constexpr int kQBytes = kRows * kUnits * kUnitCols;    // one term of a Q tile
   static constexpr int kQChunksPerRow = kHeadDimQK / 16;          // 16-byte cp.async chunks of a q row
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = 8;
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a bf16 q's second Q terms),
+  // in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = kBf16Q ? 4 : 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
@@ -92,7 +106,7 @@ struct TransposedTraits {
 
   struct SharedStorage {
     alignas(1024) uint8_t page[kRing][kPageBytes];
-    alignas(1024) uint8_t q[kQSlots][kQBytes];
+    alignas(1024) uint8_t q[kQSlots][kQTerms][kQBytes];
     alignas(1024) Half pt[kComputeWarpgroups][kRows * kPageBlockSize];    // each warpgroup's P^T
     // End of a piece: each warpgroup hands the other the dim blocks that one finishes, scaled to the common
     // reference (thread-major float4s: thread t of one warpgroup holds what thread t of the other reads).
@@ -100,6 +114,7 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
+    float q_descale[kQSlots];                       // a bf16 q: the tile's descale (the producer's choice)
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
