@@ -30,12 +30,15 @@ struct TransposedTraits {
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A bf16 q: the producer quantises each Q tile to two e4m3 terms with one descale per tile, q / d = q_hi + q_lo
-  // (q_lo = e4m3(q / d - q_hi)), and S^T's WGMMAs take both (out rel-L2 ~6.5e-4 in a float64 model, against
-  // ~2.7e-2 for one term; docs/PERF.md "FP8 cache"). 16 rows only (the second term's S^T work hides under the
-  // copies there; its Q tiles leave room for a ring of four pages).
+  // A bf16 q: the producer quantises each Q tile to two e4m3 terms with one descale per tile, q / d = q_hi +
+  // q_lo / kQLoScale (q_lo = e4m3(kQLoScale (q / d - q_hi))), and S^T's WGMMAs take both (out rel-L2 ~6.5e-4 in a
+  // float64 model, against ~2.7e-2 for one term; docs/PERF.md "FP8 cache"). 16 rows only (the second term's S^T
+  // work hides under the copies there; its Q tiles leave room for a ring of four pages).
   static constexpr bool kBf16Q = kBf16Q_;
   static constexpr int kQTerms = kBf16Q ? 2 : 1;
+  // |q / d - q_hi| is at most half an e4m3 step of q_hi, 16 where |q / d| nears 448, so 16 times it stays within
+  // e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
+  static constexpr float kQLoScale = 16.f;
   static_assert(!kBf16Q || kRows_ == 16, "a bf16 q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
