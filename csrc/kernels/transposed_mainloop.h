@@ -103,13 +103,13 @@ struct TransposedMainloop {
 
   // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
   // in SmemLayoutQ, by cp.async from all 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
-  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_two_terms.
+  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_terms.
   __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
     using namespace cute;
     const int slot = q_count % kQSlots;
     if (q_count >= kQSlots) Barrier::wait(&smem.q_empty[slot], ((q_count / kQSlots) & 1) ^ 1);
     if constexpr (Traits::kBf16Q) {
-      load_q_two_terms(p, smem, seq, kv_head, slot);
+      load_q_terms(p, smem, seq, kv_head, slot);
       return;
     }
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][0])), typename Traits::SmemLayoutQ{});
@@ -123,12 +123,12 @@ struct TransposedMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
   }
 
-  // A bf16 Q tile as two e4m3 terms: d = max(amax / 448, 2^-126) over the tile (the rows_per_kv rows), then per value
-  // x / d = hi + lo / 16, hi = e4m3(x / d), lo = e4m3(16 (x / d - hi)) (kQLoScale; both round to nearest, saturating), into the slot's
-  // two SmemLayoutQ tiles, and d into q_descale[slot]. NaN stays NaN (fmaxf leaves it out of the maximum; x / d is
-  // NaN). Two passes over the tile's 16-byte chunks of 8 values (the second from L1 / L2).
-  __device__ __forceinline__ static void load_q_two_terms(const DecodeParams& p, SharedStorage& smem, int seq,
-                                                          int kv_head, int slot) {
+  // A bf16 Q tile as kQTerms e4m3 terms: d = max(amax / 448, 2^-126) over the tile (the rows_per_kv rows), then per
+  // value y = x / d = t0 + t1 / 16 + t2 / 256 ..., t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
+  // nearest, saturating), into the slot's SmemLayoutQ tiles, and d into q_descale[slot]. NaN stays NaN (fmaxf leaves
+  // it out of the maximum; x / d is NaN). Two passes over the tile's 16-byte chunks of 8 values (the second from L1).
+  __device__ __forceinline__ static void load_q_terms(const DecodeParams& p, SharedStorage& smem, int seq,
+                                                      int kv_head, int slot) {
     using namespace cute;
     constexpr int kChunksPerRow = kHeadDimQK / 8;
     const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + int64_t(seq) * p.q_batch_stride;
@@ -152,26 +152,31 @@ struct TransposedMainloop {
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
     const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
-    Tensor sHi = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][0])), typename Traits::SmemLayoutQ{});
-    Tensor sLo = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][1])), typename Traits::SmemLayoutQ{});
 #pragma unroll 1
     for (int chunk = lane; chunk < chunks; chunk += 32) {
       const uint4 v = source(chunk);
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
-      uint16_t hi[4], lo[4];
+      float2 y[4];
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
-        float2 x = __bfloat1622float2(pairs[k]);
-        x.x *= scale;
-        x.y *= scale;
-        hi[k] = __nv_cvt_float2_to_fp8x2(x, __NV_SATFINITE, __NV_E4M3);
-        const float2 h = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(hi[k], __NV_E4M3)));
-        lo[k] = __nv_cvt_float2_to_fp8x2(make_float2((x.x - h.x) * Traits::kQLoScale, (x.y - h.y) * Traits::kQLoScale),
-                                        __NV_SATFINITE, __NV_E4M3);
+        y[k] = __bfloat1622float2(pairs[k]);
+        y[k].x *= scale;
+        y[k].y *= scale;
       }
       const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * 8;    // 8 bytes within a 16-byte chunk
-      *reinterpret_cast<uint2*>(&sHi(row, col)) = make_uint2(hi[0] | uint32_t(hi[1]) << 16, hi[2] | uint32_t(hi[3]) << 16);
-      *reinterpret_cast<uint2*>(&sLo(row, col)) = make_uint2(lo[0] | uint32_t(lo[1]) << 16, lo[2] | uint32_t(lo[3]) << 16);
+      CUTE_UNROLL
+      for (int term = 0; term < Traits::kQTerms; ++term) {
+        uint16_t codes[4];
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
+          const float2 t = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
+          y[k] = make_float2((y[k].x - t.x) * Traits::kQLoScale, (y[k].y - t.y) * Traits::kQLoScale);
+        }
+        Tensor sT = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][term])), typename Traits::SmemLayoutQ{});
+        *reinterpret_cast<uint2*>(&sT(row, col)) =
+            make_uint2(codes[0] | uint32_t(codes[1]) << 16, codes[2] | uint32_t(codes[3]) << 16);
+      }
     }
     if (lane == 0) smem.q_descale[slot] = descale;
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
@@ -191,41 +196,54 @@ struct TransposedMainloop {
     auto thr_s = mma_s.get_slice(t);
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][0])),
                             typename Traits::SmemLayoutQ{});                                     // (N, 640)
-    Tensor sQlo = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][Traits::kQTerms - 1])),
-                              typename Traits::SmemLayoutQ{});                                   // (N, 640)
+    // a bf16 q's further terms (kQTerms; unused otherwise)
+    Tensor sQ1 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][cute::min(1, Traits::kQTerms - 1)])),
+                             typename Traits::SmemLayoutQ{});                                    // (N, 640)
+    Tensor sQ2 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][cute::min(2, Traits::kQTerms - 1)])),
+                             typename Traits::SmemLayoutQ{});                                    // (N, 640)
     Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])),
                             typename Traits::SmemLayoutPage{});                                  // (64, 640)
     Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                // (MMA, 1, 20)
-    Tensor tSrQlo = thr_s.partition_fragment_B(sQlo);                                            // (MMA, 1, 20)
+    Tensor tSrQ1 = thr_s.partition_fragment_B(sQ1);                                              // (MMA, 1, 20)
+    Tensor tSrQ2 = thr_s.partition_fragment_B(sQ2);                                              // (MMA, 1, 20)
     Tensor tSrK = thr_s.partition_fragment_A(sK);                                                // (MMA, 1, 20)
     Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kRows>>{});                 // (MMA, 1, 1)
     Tensor tSrU = make_fragment_like(tSrS);                                                      // a unit's part
-    Tensor tSrL = make_fragment_like(tSrS);                           // a bf16 q: the unit's part of the second term
+    Tensor tSrL1 = make_fragment_like(tSrS);                          // a bf16 q: the unit's part of each further term
+    Tensor tSrL2 = make_fragment_like(tSrS);
 
     // ---- S^T = K Q^T: e4m3 WGMMAs keep ~14 bits while accumulating, so each 128-column unit's partial sum is
-    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's second term,
-    // ~2^-8 of the first, has partials of its own: added into the first term's, its bits fell below the
-    // accumulator's (lse max error 1.4-2.6e-3 against 1e-3) ----------------------------------------------------------
+    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's further terms,
+    // ~2^-4 and ~2^-8 of the first, have partials of their own: added into the first term's, their bits fell below
+    // the accumulator's ---------------------------------------------------------------------------------------------
     CUTE_UNROLL
     for (int unit = 0; unit < Traits::kUnits; ++unit) {
       auto& acc = unit == 0 ? tSrS : tSrU;
       warpgroup_fence_operand(acc);
-      if constexpr (Traits::kBf16Q) warpgroup_fence_operand(tSrL);
+      if constexpr (Traits::kQTerms > 1) warpgroup_fence_operand(tSrL1);
+      if constexpr (Traits::kQTerms > 2) warpgroup_fence_operand(tSrL2);
       warpgroup_arrive();
       constexpr int kSteps = Traits::kUnitCols / 32;
       CUTE_UNROLL
       for (int kk = 0; kk < (unit == Traits::kUnits - 1 ? (kHeadDimQK % Traits::kUnitCols) / 32 : kSteps); ++kk) {
+        const int k = unit * kSteps + kk;
         mma_s.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQ(_, _, unit * kSteps + kk), acc);
-        if constexpr (Traits::kBf16Q) gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQlo(_, _, unit * kSteps + kk), tSrL);
+        gemm(mma_s, tSrK(_, _, k), tSrQ(_, _, k), acc);
+        if constexpr (Traits::kQTerms > 1) gemm(mma_s, tSrK(_, _, k), tSrQ1(_, _, k), tSrL1);
+        if constexpr (Traits::kQTerms > 2) gemm(mma_s, tSrK(_, _, k), tSrQ2(_, _, k), tSrL2);
       }
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      if constexpr (Traits::kBf16Q) {
-        warpgroup_fence_operand(tSrL);
+      if constexpr (Traits::kQTerms > 1) {
+        warpgroup_fence_operand(tSrL1);
         CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) acc(i) += tSrL(i) * (1.f / Traits::kQLoScale);
+        for (int i = 0; i < size(tSrS); ++i) acc(i) += tSrL1(i) * (1.f / Traits::kQLoScale);
+      }
+      if constexpr (Traits::kQTerms > 2) {
+        warpgroup_fence_operand(tSrL2);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) acc(i) += tSrL2(i) * (1.f / (Traits::kQLoScale * Traits::kQLoScale));
       }
       if (unit > 0) {
         CUTE_UNROLL

@@ -18,6 +18,10 @@
 #include "params.h"
 #include "variant.h"
 
+#ifndef FLASH_MLA_EXP
+#define FLASH_MLA_EXP 0
+#endif
+
 FLASH_MLA_NAMESPACE_BEGIN
 
 // The CTA's warpgroups: two computing (pages 2 j and 2 j + 1 of the CTA's stream), then the producer (one warp of it
@@ -35,7 +39,7 @@ struct TransposedTraits {
   // float64 model, against ~2.7e-2 for one term; docs/PERF.md "FP8 cache"). 16 rows only (the second term's S^T
   // work hides under the copies there; its Q tiles leave room for a ring of four pages).
   static constexpr bool kBf16Q = kBf16Q_;
-  static constexpr int kQTerms = kBf16Q ? 2 : 1;
+  static constexpr int kQTerms = kBf16Q ? ((FLASH_MLA_EXP & 8) ? 3 : 2) : 1;
   // |q / d - q_hi| is at most half an e4m3 step of q_hi, 16 where |q / d| nears 448, so 16 times it stays within
   // e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
@@ -44,7 +48,7 @@ struct TransposedTraits {
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
   // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16).
-  static constexpr int kRing = kRows == 16 ? 4 : 3;
+  static constexpr int kRing = kRows == 16 && kQTerms < 3 ? 4 : 3;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -56,7 +60,7 @@ struct TransposedTraits {
   // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A bf16 q: the
   // producer's conversion to two e4m3 terms spilled at 24, so 32, and the computing warpgroups give up 8.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kBf16Q ? 32 : 24;
+  static constexpr int kProducerRegisters = kQTerms == 3 ? 40 : kBf16Q ? 32 : 24;
   static constexpr int kComputeRegisters = kBf16Q ? 232 : 240;
   static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
                     (kComputeWarpgroups + 1) * kLaunchRegisters,
