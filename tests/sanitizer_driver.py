@@ -130,8 +130,9 @@ def small_cases(backend):
 
 
 def fp8_cases(backend, seqlens):
-    """FP8 caches: e4m3 q (the transposed kernel at <= 32 rows, else S on e4m3 and V widened) and bf16 q (rounded
-    to fp16), one and several row tiles, cut and whole."""
+    """FP8 caches: e4m3 q (the transposed kernel at <= 32 rows, else S on e4m3 and V widened) and bf16 q (the
+    transposed kernel with three e4m3 terms at <= 16 rows, else rounded to fp16), one and several row tiles, cut
+    and whole."""
     for i, (q_dtype, s_q, h_q, num_sms) in enumerate([(torch.float8_e4m3fn, 1, 16, None), (torch.bfloat16, 2, 64, 1),
                                                       (torch.float8_e4m3fn, 2, 128, 3), (torch.float8_e4m3fn, 2, 8, 1),
                                                       (torch.float8_e4m3fn, 3, 4, 3), (torch.float8_e4m3fn, 2, 16, 1),

@@ -5,9 +5,10 @@
 //   -------------                           -------------------------------------------------
 //   per piece with pages:                   per piece:
 //     wait q_empty[slot]; Q by cp.async  ->   wait q_full[slot]
-//       (32 lanes; arrive q_full)             per own page n of the piece:
-//     per page n:                               wait page_full[n % ring]
-//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5)
+//       (32 lanes; arrive q_full; a bf16      per own page n of the piece:
+//       q: loaded and cut into 3 e4m3 terms)    wait page_full[n % ring]
+//     per page n:                               S^T = K Q^T        e4m3, a float32 step a unit (5; a bf16
+//       wait page_empty[n % ring]                                  q: each term's partial its own)
 //       5 TMA boxes -> page_full                mask (partial / causal pages), column maxima,
 //                                               vote: did a column pass its reference? (bar.red.or)
 //                                                 if so: the warps' maxima via shared memory, O^T and sums

@@ -18,10 +18,6 @@
 #include "params.h"
 #include "variant.h"
 
-#ifndef FLASH_MLA_EXP
-#define FLASH_MLA_EXP 0
-#endif
-
 FLASH_MLA_NAMESPACE_BEGIN
 
 // The CTA's warpgroups: two computing (pages 2 j and 2 j + 1 of the CTA's stream), then the producer (one warp of it
@@ -34,21 +30,23 @@ struct TransposedTraits {
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A bf16 q: the producer quantises each Q tile to two e4m3 terms with one descale per tile, q / d = q_hi +
-  // q_lo / kQLoScale (q_lo = e4m3(kQLoScale (q / d - q_hi))), and S^T's WGMMAs take both (out rel-L2 ~6.5e-4 in a
-  // float64 model, against ~2.7e-2 for one term; docs/PERF.md "FP8 cache"). 16 rows only (the second term's S^T
-  // work hides under the copies there; its Q tiles leave room for a ring of four pages).
+  // A bf16 q: the producer quantises each Q tile to three e4m3 terms with one descale per tile, q / d = t0 + t1 / 16
+  // + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), and S^T's WGMMAs take each into a partial of its own.
+  // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
+  // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
+  // three Q tiles of each of two slots fit beside a ring of three pages.
   static constexpr bool kBf16Q = kBf16Q_;
-  static constexpr int kQTerms = kBf16Q ? ((FLASH_MLA_EXP & 8) ? 3 : 2) : 1;
-  // |q / d - q_hi| is at most half an e4m3 step of q_hi, 16 where |q / d| nears 448, so 16 times it stays within
-  // e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
+  static constexpr int kQTerms = kBf16Q ? 3 : 1;
+  // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
+  // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
   static_assert(!kBf16Q || kRows_ == 16, "a bf16 q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
-  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16).
-  static constexpr int kRing = kRows == 16 && kQTerms < 3 ? 4 : 3;
+  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A bf16 q: 3, beside its
+  // six Q term tiles.
+  static constexpr int kRing = kRows == 16 && !kBf16Q ? 4 : 3;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -58,9 +56,9 @@ struct TransposedTraits {
   // Registers a thread after setmaxnreg (multiples of 8). The split may use no more than the CTA got at launch
   // (168 a thread at 384 threads): setmaxnreg.inc takes registers from the CTA's own pool, which only the producer's
   // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A bf16 q: the
-  // producer's conversion to two e4m3 terms spilled at 24, so 32, and the computing warpgroups give up 8.
+  // producer's conversion to e4m3 terms spilled at 24 (two terms), so 40, and the computing warpgroups give up 8.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kQTerms == 3 ? 40 : kBf16Q ? 32 : 24;
+  static constexpr int kProducerRegisters = kBf16Q ? 40 : 24;
   static constexpr int kComputeRegisters = kBf16Q ? 232 : 240;
   static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
                     (kComputeWarpgroups + 1) * kLaunchRegisters,
@@ -79,7 +77,7 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a bf16 q's second Q terms),
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a bf16 q's Q terms),
   // in rounds of kRoundBlocks dim blocks.
   static constexpr int kExchangeFloat4s = kBf16Q ? 4 : 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
