@@ -15,6 +15,9 @@
 //     is (row 16 w + g + 8 (j & 1), key 2 q + e + 8 (j >> 1)), the order load_vt_fragment fills a[j] in (dims 2 g
 //     and 2 g + 1 as rows g and g + 8).
 // For the bf16, fp16 and FP8-cache (fp16 math) traits.
+// S^T of a bf16 q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
+// (transposed_traits.h checks that the atom is that wide); before any CuTe header.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cstdio>
 #include <cute/tensor.hpp>
 #include <cutlass/numeric_types.h>
@@ -95,10 +98,10 @@ int check_e4m3_scores() {
 }
 
 // 7.
-template <int kRows>
+template <int kRows, bool kBf16Q = false>
 int check_transposed() {
   using namespace cute;
-  using T = flash_mla::TransposedTraits<kRows>;
+  using T = flash_mla::TransposedTraits<kRows, kBf16Q>;
   auto bytes = [](auto layout, int i, int j, int element_bytes) {
     return int(layout.layout_a()(element_bytes * int(layout.layout_b()(i, j))));
   };
@@ -117,6 +120,13 @@ int check_transposed() {
         const int have = bytes(typename T::SmemLayoutPt{}, row, 8 * kc + e, 2), want = T::pt_chunk_offset(row, kc) + 2 * e;
         if (have != want && errors++ < 5) printf("P^T (%d, %d) at %d, not %d\n", row, 8 * kc + e, have, want);
       }
+  // A bf16 q's producer stores 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
+  for (int row = 0; row < T::kQRows; ++row)
+    for (int col = 0; col < flash_mla::kHeadDimQK; col += 8)
+      for (int e = 0; e < 8; ++e) {
+        const int have = bytes(typename T::SmemLayoutQ{}, row, col + e, 1), want = bytes(typename T::SmemLayoutQ{}, row, col, 1) + e;
+        if ((have != want || want % 8 != 0 && e == 0) && errors++ < 5) printf("Q (%d, %d) at %d, not %d\n", row, col + e, have, want);
+      }
   auto check_c = [&](auto tv, int cols, const char* what) {
     if (int(size<1>(tv)) != cols / 2) errors++, printf("%s: %d values a thread\n", what, int(size<1>(tv)));
     for (int t = 0; t < 128; ++t)
@@ -125,7 +135,8 @@ int check_transposed() {
         if (int(tv(t, i)) != row + 64 * col && errors++ < 5) printf("%s value %d of thread %d\n", what, i, t);
       }
   };
-  check_c(typename T::TiledMmaS{}.get_layoutC_TV(), kRows, "S^T");
+  // S^T over every Q term (value i + kRows t / 2 is term t's value i: column + kRows t)
+  check_c(typename T::TiledMmaS{}.get_layoutC_TV(), T::kQRows, "S^T");
   check_c(typename T::TiledMmaO{}.get_layoutC_TV(), kRows, "O^T");
   auto a_tv = typename T::TiledMmaO{}.get_layoutA_TV();
   if (int(size<1>(a_tv)) != 8) errors++, printf("O^T's A: %d values a thread\n", int(size<1>(a_tv)));
@@ -135,14 +146,15 @@ int check_transposed() {
       const int row = 16 * (t / 32) + t % 32 / 4 + 8 * (j & 1), key = 2 * (t % 4) + e + 8 * (j >> 1);
       if (int(a_tv(t, v)) != row + 64 * key && errors++ < 5) printf("O^T's A value %d of thread %d\n", v, t);
     }
-  printf("transposed FP8, %d rows: %d errors; smem bytes %d\n", kRows, errors, T::kSmemBytes);
+  printf("transposed FP8, %d rows%s: %d errors; smem bytes %d\n", kRows, kBf16Q ? ", bf16 q" : "", errors,
+         T::kSmemBytes);
   return errors;
 }
 
 int main() {
   const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>() +
                      check<cutlass::half_t, cutlass::float_e4m3_t>() + check_e4m3_scores() + check_transposed<16>() +
-                     check_transposed<32>();
+                     check_transposed<32>() + check_transposed<16, true>();
   printf(errors ? "FAILED\n" : "OK\n");
   return errors ? 1 : 0;
 }

@@ -6,6 +6,9 @@
 //   tile_scheduler.h        which pieces a CTA owns (the same plan as the split-KV kernel)
 // Grid: (1, KV head, SM part), one CTA per SM; 384 threads = two computing warpgroups and a producer warpgroup
 // (one warp of it issues the copies).
+// S^T of a bf16 q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
+// (transposed_traits.h checks that the atom is that wide); before any CuTe header.
+#define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cuda_runtime.h>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
@@ -44,7 +47,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
       Barrier::init(&smem.page_empty[b], Traits::kWarpgroupThreads);          // the consuming warpgroup
     }
     for (int s = 0; s < Traits::kQSlots; ++s) {
-      Barrier::init(&smem.q_full[s], 32);                                     // the producer warp's lanes
+      Barrier::init(&smem.q_full[s], Traits::kQThreads);                      // the producer threads filling it
       Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
     }
     for (uint64_t* merge : {&smem.stats_posted, &smem.exchange_posted, &smem.exchange_read}) {
@@ -71,7 +74,11 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
   const int role = threadIdx.x / Traits::kWarpgroupThreads;
   if (role == static_cast<int>(TransposedRole::kProducer)) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x % Traits::kWarpgroupThreads < 32) Mainloop::produce(params, smem, range, kv_head);
+    if (threadIdx.x % Traits::kWarpgroupThreads < 32) {
+      Mainloop::produce(params, smem, range, kv_head);
+    } else if constexpr (kBf16Q) {
+      Mainloop::produce_q(params, smem, range, kv_head);
+    }
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kComputeRegisters>();

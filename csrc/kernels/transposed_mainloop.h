@@ -1,21 +1,22 @@
-// Mainloop of the transposed FP8 kernel (transposed_traits.h): the producer warp's copies and a computing
+// Mainloop of the transposed FP8 kernel (transposed_traits.h): the producer warps' copies and a computing
 // warpgroup's pages. The schedule, per CTA (one per SM; the CTA's stream is the pages of its pieces in order):
 //
-//   producer warp                           warpgroup w (0, 1): stream pages n = w, w + 2, ...
-//   -------------                           -------------------------------------------------
+//   producer warp 0                         warpgroup w (0, 1): stream pages n = w, w + 2, ...
+//   ---------------                         -------------------------------------------------
 //   per piece with pages:                   per piece:
-//     wait q_empty[slot]; Q by cp.async  ->   wait q_full[slot]
-//       (32 lanes; arrive q_full; a bf16      per own page n of the piece:
-//       q: loaded and cut into 3 e4m3 terms)    wait page_full[n % ring]
-//     per page n:                               S^T = K Q^T        e4m3, a float32 step a unit (5; a bf16
-//       wait page_empty[n % ring]                                  q: each term's partial its own)
-//       5 TMA boxes -> page_full                mask (partial / causal pages), column maxima,
-//                                               vote: did a column pass its reference? (bar.red.or)
-//                                                 if so: the warps' maxima via shared memory, O^T and sums
-//                                                 rescaled to the new reference
-//                                               P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
-//                                               O^T += V^T P^T     4 key blocks x 8 dim blocks, in batches
-//                                                                  of 8 (16 rows) or 4 (32) dim blocks, V^T
+//     (an e4m3 q) wait q_empty[slot];    ->   wait q_full[slot]
+//       Q by cp.async, arrive q_full          per own page n of the piece:
+//     per page n:                               wait page_full[n % ring]
+//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5); a bf16
+//       5 TMA boxes -> page_full                                   q's three terms as N = 48, each its own
+//                                                                  columns
+//   producer warps 1-3 (a bf16 q)               mask (partial / causal pages), column maxima,
+//   -----------------------------               vote: did a column pass its reference? (bar.red.or)
+//   per piece with pages:                         if so: the warps' maxima via shared memory, O^T and sums
+//     wait q_empty[slot]; Q loaded and cut        rescaled to the new reference
+//       into 3 e4m3 terms (the warps'           P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
+//       |q| maxima met by bar.sync),            O^T += V^T P^T     4 key blocks x 8 dim blocks, in batches
+//       arrive q_full                                              of 8 (16 rows) or 4 (32) dim blocks, V^T
 //                                                                  widened into registers one batch ahead
 //                                                                  of the WGMMAs that read it
 //                                               arrive page_empty[n % ring] (its O^T WGMMAs complete)
@@ -69,9 +70,9 @@ struct TransposedMainloop {
   // Evict-first: the cache is streamed once, by one row tile per KV head.
   static constexpr uint64_t kEvictFirst = static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_FIRST);
 
-  // ========================================= producer (one warp) =============================================
+  // ========================================= producer ========================================================
 
-  // Pages of the CTA's stream into the ring, Q tiles into their slots. The block table is read 32 entries at a
+  // Warp 0: pages of the CTA's stream into the ring, an e4m3 q's Q tiles into their slots. The block table is read 32 entries at a
   // time (a lane each) so that no copy waits for a block id's load.
   __device__ __forceinline__ static void produce(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
     const int lane = threadIdx.x % 32;
@@ -81,7 +82,7 @@ struct TransposedMainloop {
       const Piece piece = range.piece(seq);
       const int pages = piece.num_pages();
       if (pages == 0) continue;
-      load_q(p, smem, piece.seq, kv_head, q_count++);
+      if constexpr (!Traits::kBf16Q) load_q(p, smem, piece.seq, kv_head, q_count++);    // (else produce_q)
       int block = 0;
 #pragma unroll 1
       for (int page = 0; page < pages; ++page, ++stream_page) {
@@ -102,9 +103,20 @@ struct TransposedMainloop {
     }
   }
 
+  // Warps 1-3 with a bf16 q: the Q tile of each of the CTA's pieces with pages, cut into e4m3 terms (load_q), so
+  // that the conversion never holds up warp 0's page copies.
+  __device__ __forceinline__ static void produce_q(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
+    int q_count = 0;
+#pragma unroll 1
+    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
+      const Piece piece = range.piece(seq);
+      if (piece.num_pages() > 0) load_q(p, smem, piece.seq, kv_head, q_count++);
+    }
+  }
+
   // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
-  // in SmemLayoutQ, by cp.async from all 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
-  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_terms.
+  // in SmemLayoutQ, by cp.async from warp 0's 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
+  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_terms, by warps 1-3.
   __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
     using namespace cute;
     const int slot = q_count % kQSlots;
@@ -113,7 +125,7 @@ struct TransposedMainloop {
       load_q_terms(p, smem, seq, kv_head, slot);
       return;
     }
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][0])), typename Traits::SmemLayoutQ{});
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
     const uint8_t* q = static_cast<const uint8_t*>(p.q) + int64_t(seq) * p.q_batch_stride;
 #pragma unroll 1
     for (int chunk = threadIdx.x % 32; chunk < p.rows_per_kv * Traits::kQChunksPerRow; chunk += 32) {
@@ -124,16 +136,20 @@ struct TransposedMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
   }
 
-  // A bf16 Q tile as kQTerms e4m3 terms: d = max(amax / 448, 2^-126) over the tile (the rows_per_kv rows), then per
-  // value y = x / d = t0 + t1 / 16 + t2 / 256 ..., t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
-  // nearest, saturating), into the slot's SmemLayoutQ tiles, and d into q_descale[slot]. NaN stays NaN (fmaxf leaves
-  // it out of the maximum; x / d is NaN). Two passes over the tile's 16-byte chunks of 8 values (the second from L1).
+  // A bf16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126) over the
+  // tile (the rows_per_kv rows; the warps' maxima meet in q_amax[slot] behind the named barrier kQAmaxWritten), then
+  // per value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
+  // nearest, saturating), term t at rows kRows t.. of the slot's SmemLayoutQ tile, and d into q_descale[slot]. NaN
+  // stays NaN (fmaxf leaves it out of the maximum; x / d is NaN). Two passes over the tile's 16-byte chunks of 8
+  // values (the second from L1). q_amax[slot] is written again only after q_empty[slot], which every consumer
+  // passes after q_full[slot], which needs every thread's arrival below, after its read.
   __device__ __forceinline__ static void load_q_terms(const DecodeParams& p, SharedStorage& smem, int seq,
                                                       int kv_head, int slot) {
     using namespace cute;
     constexpr int kChunksPerRow = kHeadDimQK / 8;
     const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + int64_t(seq) * p.q_batch_stride;
-    const int chunks = p.rows_per_kv * kChunksPerRow, lane = threadIdx.x % 32;
+    const int chunks = p.rows_per_kv * kChunksPerRow;
+    const int t = threadIdx.x % kWgThreads - 32, warp = t / 32;    // warps 1-3 of the producer warpgroup
     auto source = [&](int chunk) {
       const int row = chunk / kChunksPerRow, col = chunk % kChunksPerRow * 8;
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
@@ -141,7 +157,7 @@ struct TransposedMainloop {
     };
     float amax = 0.f;
 #pragma unroll 1
-    for (int chunk = lane; chunk < chunks; chunk += 32) {
+    for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
       const uint4 v = source(chunk);
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
       CUTE_UNROLL
@@ -152,9 +168,14 @@ struct TransposedMainloop {
     }
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (t % 32 == 0) smem.q_amax[slot][warp] = amax;
+    named_sync(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten), Traits::kQThreads);
+    CUTE_UNROLL
+    for (int w = 0; w < Traits::kQThreads / 32; ++w) amax = fmaxf(amax, smem.q_amax[slot][w]);
     const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
 #pragma unroll 1
-    for (int chunk = lane; chunk < chunks; chunk += 32) {
+    for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
       const uint4 v = source(chunk);
       const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
       float2 y[4];
@@ -171,15 +192,14 @@ struct TransposedMainloop {
         CUTE_UNROLL
         for (int k = 0; k < 4; ++k) {
           codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
-          const float2 t = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
-          y[k] = make_float2((y[k].x - t.x) * Traits::kQLoScale, (y[k].y - t.y) * Traits::kQLoScale);
+          const float2 c = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
+          y[k] = make_float2((y[k].x - c.x) * Traits::kQLoScale, (y[k].y - c.y) * Traits::kQLoScale);
         }
-        Tensor sT = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot][term])), typename Traits::SmemLayoutQ{});
-        *reinterpret_cast<uint2*>(&sT(row, col)) =
+        *reinterpret_cast<uint2*>(&sQ(Traits::kRows * term + row, col)) =
             make_uint2(codes[0] | uint32_t(codes[1]) << 16, codes[2] | uint32_t(codes[3]) << 16);
       }
     }
-    if (lane == 0) smem.q_descale[slot] = descale;
+    if (t == 0) smem.q_descale[slot] = descale;
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
     Barrier::arrive(&smem.q_full[slot]);
   }
@@ -195,60 +215,57 @@ struct TransposedMainloop {
     typename Traits::TiledMmaS mma_s;
     const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
     auto thr_s = mma_s.get_slice(t);
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][0])),
-                            typename Traits::SmemLayoutQ{});                                     // (N, 640)
-    // a bf16 q's further terms (kQTerms; unused otherwise)
-    Tensor sQ1 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][cute::min(1, Traits::kQTerms - 1)])),
-                             typename Traits::SmemLayoutQ{});                                    // (N, 640)
-    Tensor sQ2 = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot][cute::min(2, Traits::kQTerms - 1)])),
-                             typename Traits::SmemLayoutQ{});                                    // (N, 640)
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[q_slot])),
+                            typename Traits::SmemLayoutQ{});                                     // (T N, 640)
     Tensor sK = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.page[buffer])),
                             typename Traits::SmemLayoutPage{});                                  // (64, 640)
     Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                                // (MMA, 1, 20)
-    Tensor tSrQ1 = thr_s.partition_fragment_B(sQ1);                                              // (MMA, 1, 20)
-    Tensor tSrQ2 = thr_s.partition_fragment_B(sQ2);                                              // (MMA, 1, 20)
     Tensor tSrK = thr_s.partition_fragment_A(sK);                                                // (MMA, 1, 20)
-    Tensor tSrS = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kRows>>{});                 // (MMA, 1, 1)
-    Tensor tSrU = make_fragment_like(tSrS);                                                      // a unit's part
-    Tensor tSrL1 = make_fragment_like(tSrS);                          // a bf16 q: the unit's part of each further term
-    Tensor tSrL2 = make_fragment_like(tSrS);
+    Tensor tSrU = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kQRows>>{});    // a unit's part: (MMA, 1, 1)
+    // S^T of the tile's N columns: the first unit's part itself, or with several Q terms the terms' sum
+    auto tSrS = [&] {
+      if constexpr (Traits::kQTerms == 1) {
+        return make_fragment_like(tSrU);
+      } else {
+        return make_tensor<float>(Int<Traits::kRows / 2>{});
+      }
+    }();
 
     // ---- S^T = K Q^T: e4m3 WGMMAs keep ~14 bits while accumulating, so each 128-column unit's partial sum is
-    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's further terms,
-    // ~2^-4 and ~2^-8 of the first, have partials of their own: added into the first term's, their bits fell below
-    // the accumulator's ---------------------------------------------------------------------------------------------
-    CUTE_UNROLL
-    for (int unit = 0; unit < Traits::kUnits; ++unit) {
-      auto& acc = unit == 0 ? tSrS : tSrU;
+    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's terms are B's
+    // column blocks (N = 48: K is read once for all three), so each term's partial is its own; value i of term t
+    // is value i + t N / 2 of the fragment (column + 16 t), summed with weights kQLoScale^-t ----------------------
+    auto s_unit = [&](auto& acc, int unit) {    // acc = the unit's K block x Q^T, zeroed first
       warpgroup_fence_operand(acc);
-      if constexpr (Traits::kQTerms > 1) warpgroup_fence_operand(tSrL1);
-      if constexpr (Traits::kQTerms > 2) warpgroup_fence_operand(tSrL2);
       warpgroup_arrive();
       constexpr int kSteps = Traits::kUnitCols / 32;
       CUTE_UNROLL
       for (int kk = 0; kk < (unit == Traits::kUnits - 1 ? (kHeadDimQK % Traits::kUnitCols) / 32 : kSteps); ++kk) {
-        const int k = unit * kSteps + kk;
         mma_s.accumulate_ = kk == 0 ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-        gemm(mma_s, tSrK(_, _, k), tSrQ(_, _, k), acc);
-        if constexpr (Traits::kQTerms > 1) gemm(mma_s, tSrK(_, _, k), tSrQ1(_, _, k), tSrL1);
-        if constexpr (Traits::kQTerms > 2) gemm(mma_s, tSrK(_, _, k), tSrQ2(_, _, k), tSrL2);
+        gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQ(_, _, unit * kSteps + kk), acc);
       }
       warpgroup_commit_batch();
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
-      if constexpr (Traits::kQTerms > 1) {
-        warpgroup_fence_operand(tSrL1);
+    };
+    CUTE_UNROLL
+    for (int unit = 0; unit < Traits::kUnits; ++unit) {
+      if constexpr (Traits::kQTerms == 1) {
+        s_unit(unit == 0 ? tSrS : tSrU, unit);
+        if (unit > 0) {
+          CUTE_UNROLL
+          for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+        }
+      } else {
+        s_unit(tSrU, unit);
+        constexpr int kTermValues = Traits::kRows / 2;
+        static_assert(Traits::kQTerms == 3, "three terms");
         CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) acc(i) += tSrL1(i) * (1.f / Traits::kQLoScale);
-      }
-      if constexpr (Traits::kQTerms > 2) {
-        warpgroup_fence_operand(tSrL2);
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) acc(i) += tSrL2(i) * (1.f / (Traits::kQLoScale * Traits::kQLoScale));
-      }
-      if (unit > 0) {
-        CUTE_UNROLL
-        for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
+        for (int i = 0; i < kTermValues; ++i) {
+          const float v = tSrU(i) + (tSrU(i + kTermValues) + tSrU(i + 2 * kTermValues) * (1.f / Traits::kQLoScale)) *
+                                        (1.f / Traits::kQLoScale);
+          tSrS(i) = unit == 0 ? v : tSrS(i) + v;
+        }
       }
     }
 

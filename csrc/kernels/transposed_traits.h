@@ -31,12 +31,17 @@ struct TransposedTraits {
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
   // A bf16 q: the producer quantises each Q tile to three e4m3 terms with one descale per tile, q / d = t0 + t1 / 16
-  // + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), and S^T's WGMMAs take each into a partial of its own.
+  // + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of one B operand (N = 48), so
+  // that S^T reads each K block once for all three and each term's sum is a column block of its own.
   // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
   // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
   // three Q tiles of each of two slots fit beside a ring of three pages.
   static constexpr bool kBf16Q = kBf16Q_;
   static constexpr int kQTerms = kBf16Q ? 3 : 1;
+  static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile: N of S^T
+  // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
+  // warps 1-3 (a bf16 q: the conversion, off warp 0's path)
+  static constexpr int kQThreads = kBf16Q ? 96 : 32;
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
@@ -72,7 +77,7 @@ struct TransposedTraits {
   static constexpr int kUnitCols = 128;
   static constexpr int kUnitBytes = kPageBlockSize * kUnitCols;
   static constexpr int kPageBytes = kUnits * kUnitBytes;
-  static constexpr int kQBytes = kRows * kUnits * kUnitCols;    // one term of a Q tile
+  static constexpr int kQBytes = kQRows * kUnits * kUnitCols;
   static constexpr int kQChunksPerRow = kHeadDimQK / 16;          // 16-byte cp.async chunks of a q row
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
@@ -101,17 +106,19 @@ struct TransposedTraits {
   using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
                                                       cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
   using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
-                                                   cute::Shape<cute::Int<kRows>, cute::Int<kUnits * kUnitCols>>{}));
+                                                   cute::Shape<cute::Int<kQRows>, cute::Int<kUnits * kUnitCols>>{}));
   using SmemLayoutPt = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Half>{},
                                                     cute::Shape<cute::Int<kRows>, cute::Int<kPageBlockSize>>{}));
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_128>>()));
+      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kQRows>, cute::_128>>()));
+  static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kQRows,
+                "S^T in one WGMMA per K block (N = 48 for a bf16 q: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe)");
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Half, Half, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_16>>()));
 
   struct SharedStorage {
     alignas(1024) uint8_t page[kRing][kPageBytes];
-    alignas(1024) uint8_t q[kQSlots][kQTerms][kQBytes];
+    alignas(1024) uint8_t q[kQSlots][kQBytes];
     alignas(1024) Half pt[kComputeWarpgroups][kRows * kPageBlockSize];    // each warpgroup's P^T
     // End of a piece: each warpgroup hands the other the dim blocks that one finishes, scaled to the common
     // reference (thread-major float4s: thread t of one warpgroup holds what thread t of the other reads).
@@ -120,6 +127,7 @@ struct TransposedTraits {
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
     float q_descale[kQSlots];                       // a bf16 q: the tile's descale (the producer's choice)
+    float q_amax[kQSlots][kQThreads / 32];          // a bf16 q: each converting warp's maximum of |q|
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
@@ -139,8 +147,9 @@ enum class TransposedBarrier : uint32_t {
   kReferenceVote = 3,      // + warpgroup: bar.red.or over "some column's maximum passed its reference"
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
+  kQAmaxWritten = 9,       // a bf16 q: the converting warps' maxima of |q| are in shared memory (kQThreads)
 };
-static_assert(static_cast<uint32_t>(TransposedBarrier::kColMaxRead) + 1 < 16, "bar.sync ids are 0..15");
+static_assert(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten) < 16, "bar.sync ids are 0..15");
 
 // The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
 __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup) {
