@@ -763,14 +763,19 @@ def test_gpu_cuda_ragged_lengths_and_sink(num_sms, h_q):
           ref=reference_for(batch.dequantized(), None, attn_sink=sink, on_device=True))
 
 
+_TRANSPOSED_SHAPES = [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True), (1, 8, 2, False), (3, 4, 1, True),
+                      (1, 1, 1, False), (2, 16, 1, True), (1, 32, 1, False), (4, 16, 2, True), (3, 8, 1, True),
+                      (1, 20, 1, False)]    # (s_q, h_q, h_kv, causal)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("num_sms", [1, 7, 132])
-@pytest.mark.parametrize("s_q,h_q,h_kv,causal", [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True),
-                                                 (1, 8, 2, False), (3, 4, 1, True), (1, 1, 1, False),
-                                                 (2, 16, 1, True), (1, 32, 1, False), (4, 16, 2, True),
-                                                 (3, 8, 1, True), (1, 20, 1, False)])
-@pytest.mark.parametrize("q_dtype", [FP8, BF16], ids=["fp8-q", "bf16-q"])
+@pytest.mark.parametrize("s_q,h_q,h_kv,causal,q_dtype",
+                         [pytest.param(*shape, FP8, id="fp8-q-{}-{}-{}-{}".format(*shape))
+                          for shape in _TRANSPOSED_SHAPES] +
+                         [pytest.param(*shape, BF16, id="bf16-q-{}-{}-{}-{}".format(*shape))
+                          for shape in _TRANSPOSED_SHAPES if shape[0] * shape[1] // shape[2] <= 16])
 def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
     """At most 32 packed query rows per KV head with an fp8 q, 16 with a bf16 q (its Q tiles cut into three e4m3
     terms): the transposed kernel (csrc/kernels/transposed_*.h; its 16-row tile at 16, 12, 4 and 1 rows, its 32-row
@@ -779,8 +784,6 @@ def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
     132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory, an
     attention sink."""
     cuda_fp8_or_skip()
-    if q_dtype == BF16 and s_q * h_q // h_kv > 16:
-        pytest.skip("a bf16 q takes the transposed kernel at <= 16 rows")
     lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049, 0]
     descales = (0.01, 37.0) if q_dtype == FP8 else (None, 1.0)
     batch = make(lengths, s_q, h_q, h_kv, q_dtype, descales, causal, seed=330 + num_sms + 10 * s_q + h_q + h_kv,
