@@ -230,6 +230,9 @@ struct TransposedMainloop {
         return make_tensor<float>(Int<Traits::kRows / 2>{});
       }
     }();
+    // zeroed, each unit added: with `unit == 0 ? v : tSrS(i) + v` instead, the first unit's WGMMAs vanished from
+    // the SASS (14 of 18 left)
+    if constexpr (Traits::kQTerms > 1) clear(tSrS);
 
     // ---- S^T = K Q^T: e4m3 WGMMAs keep ~14 bits while accumulating, so each 128-column unit's partial sum is
     // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's terms are B's
@@ -264,7 +267,7 @@ struct TransposedMainloop {
         for (int i = 0; i < kTermValues; ++i) {
           const float v = tSrU(i) + (tSrU(i + kTermValues) + tSrU(i + 2 * kTermValues) * (1.f / Traits::kQLoScale)) *
                                         (1.f / Traits::kQLoScale);
-          tSrS(i) = unit == 0 ? v : tSrS(i) + v;
+          tSrS(i) += v;
         }
       }
     }
