@@ -14,6 +14,7 @@ referee's anchors on its workloads:
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table --repeat 2 /tmp/e0 /tmp/e1     # e0 e1 e0 e1
     python3 benchmarks/sxs_variants.py --anchors .anchors --sparse /tmp/e0 /tmp/e1     # the sparse FP8 rows
     python3 benchmarks/sxs_variants.py --anchors .anchors --only table --fp8 /tmp/e0 /tmp/e1   # FP8 cache vs bf16
+    python3 benchmarks/sxs_variants.py --anchors .anchors --fp8 --bf16-q --rows "h=16 s=1" /tmp/e0 /tmp/e1  # bf16 q
 
 Each variant runs in a process of its own by default: builds of one extension loaded into one process under one
 module name are one module (pybind11 3 caches extension modules by name; on the H100 a build that copies nothing
@@ -91,6 +92,16 @@ class RawFp8Extension(RawExtension):
                                          descale_q=self.dq, descale_k=descale_k))
 
 
+class RawFp8Bf16QExtension(RawFp8Extension):
+    """The FP8-cache path with a bf16 q (--fp8 --bf16-q, the form vLLM also calls): the cache copies quantised as
+    with --fp8, q left in bf16, descale_k only."""
+
+    def decode(self, q, k, bt, seqlens, plan, causal):
+        md, ns = plan
+        k8, descale_k = self.k8[k.data_ptr()]
+        return tuple(self.mod.mla_decode(q, k8, bt, seqlens, 512, md, ns, 576 ** -0.5, causal, descale_k=descale_k))
+
+
 class RawSparseExtension(RawExtension):
     """The same build's sparse FP8 decoding (--sparse): `bt` carries the indices, `k` the 656-byte cache. Planned
     as that tree's flash_mla plans sparse calls: with its SPARSE_PLAN (flash_mla/_geometry.py), or in a tree from
@@ -147,7 +158,8 @@ def child(args):
     import sxs
     import torch
 
-    kind = RawSparseExtension if args.sparse else RawFp8Extension if args.fp8 else RawExtension
+    kind = (RawSparseExtension if args.sparse else RawFp8Bf16QExtension if args.fp8 and args.bf16_q else
+            RawFp8Extension if args.fp8 else RawExtension)
     variants = [kind(folder, i) for i, folder in enumerate(args.folders)]
     tags = [getattr(v.mod, "variant", "build") for v in variants]
     if len(set(tags)) != len(tags):
@@ -182,6 +194,8 @@ def main():
     ap.add_argument("--sparse", action="store_true", help="the referee's sparse FP8 rows against upstream head")
     ap.add_argument("--fp8", action="store_true",
                     help="the variants' FP8-cache path (q and cache quantised per tensor) against the anchors' bf16")
+    ap.add_argument("--bf16-q", action="store_true",
+                    help="with --fp8: q left in bf16 (descale_k only), the FP8 cache's other form")
     ap.add_argument("--rows", help="comma-separated label substrings: only the dense workloads whose label "
                                    "contains one (e.g. 'L=8192f h=128 s=2,L=8192f h=16 s=1')")
     ap.add_argument("--timing-only", action="store_true",
@@ -196,6 +210,8 @@ def main():
     ap.add_argument("--save", help=argparse.SUPPRESS)
     ap.add_argument("folders", nargs="+", help="one built tree per variant; the first is the baseline")
     args = ap.parse_args()
+    if args.bf16_q and not args.fp8:
+        ap.error("--bf16-q is a form of --fp8")
     if args.child:
         return child(args)
     sys.path.insert(0, os.path.abspath(args.anchors))
@@ -216,6 +232,7 @@ def main():
             os.makedirs(save)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--anchors", args.anchors, "--save", save,
                    "--only", args.only] + (["--sparse"] if args.sparse else []) + (["--fp8"] if args.fp8 else []) + \
+                  (["--bf16-q"] if args.bf16_q else []) + \
                   (["--rows", args.rows] if args.rows else []) + [f for _n, f in run_variants]
             run = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
             rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
