@@ -774,11 +774,12 @@ _TRANSPOSED_SHAPES = [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True), (1, 8
 @pytest.mark.parametrize("s_q,h_q,h_kv,causal,q_dtype",
                          [pytest.param(*shape, FP8, id="fp8-q-{}-{}-{}-{}".format(*shape))
                           for shape in _TRANSPOSED_SHAPES] +
-                         [pytest.param(*shape, BF16, id="bf16-q-{}-{}-{}-{}".format(*shape))
+                         [pytest.param(*shape, q_dtype, id=f"{name}-" + "{}-{}-{}-{}".format(*shape))
+                          for q_dtype, name in ((BF16, "bf16-q"), (FP16, "fp16-q"))
                           for shape in _TRANSPOSED_SHAPES if shape[0] * shape[1] // shape[2] <= 16])
 def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
-    """At most 32 packed query rows per KV head with an fp8 q, 16 with a bf16 q (its Q tiles cut into three e4m3
-    terms): the transposed kernel (csrc/kernels/transposed_*.h; its 16-row tile at 16, 12, 4 and 1 rows, its 32-row
+    """At most 32 packed query rows per KV head with an fp8 q, 16 with a bf16 or fp16 q (its Q tiles cut into three
+    e4m3 terms): the transposed kernel (csrc/kernels/transposed_*.h; its 16-row tile at 16, 12, 4 and 1 rows, its 32-row
     tile at 32, 24 and 20, causal across s_q tokens, two KV heads). One SM part walks every piece (the producer's
     ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0 rows merge nothing), 7 and
     132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory, an

@@ -15,7 +15,7 @@
 //     is (row 16 w + g + 8 (j & 1), key 2 q + e + 8 (j >> 1)), the order load_vt_fragment fills a[j] in (dims 2 g
 //     and 2 g + 1 as rows g and g + 8).
 // For the bf16, fp16 and FP8-cache (fp16 math) traits.
-// S^T of a bf16 q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
+// S^T of a 16-bit q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
 // (transposed_traits.h checks that the atom is that wide); before any CuTe header.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cstdio>
@@ -98,10 +98,10 @@ int check_e4m3_scores() {
 }
 
 // 7.
-template <int kRows, bool kBf16Q = false>
+template <int kRows, bool kWideQ = false>
 int check_transposed() {
   using namespace cute;
-  using T = flash_mla::TransposedTraits<kRows, kBf16Q>;
+  using T = flash_mla::TransposedTraits<kRows, kWideQ>;
   auto bytes = [](auto layout, int i, int j, int element_bytes) {
     return int(layout.layout_a()(element_bytes * int(layout.layout_b()(i, j))));
   };
@@ -120,7 +120,7 @@ int check_transposed() {
         const int have = bytes(typename T::SmemLayoutPt{}, row, 8 * kc + e, 2), want = T::pt_chunk_offset(row, kc) + 2 * e;
         if (have != want && errors++ < 5) printf("P^T (%d, %d) at %d, not %d\n", row, 8 * kc + e, have, want);
       }
-  // A bf16 q's producer stores 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
+  // A 16-bit q's producer stores 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
   for (int row = 0; row < T::kQRows; ++row)
     for (int col = 0; col < flash_mla::kHeadDimQK; col += 8)
       for (int e = 0; e < 8; ++e) {
@@ -146,7 +146,7 @@ int check_transposed() {
       const int row = 16 * (t / 32) + t % 32 / 4 + 8 * (j & 1), key = 2 * (t % 4) + e + 8 * (j >> 1);
       if (int(a_tv(t, v)) != row + 64 * key && errors++ < 5) printf("O^T's A value %d of thread %d\n", v, t);
     }
-  printf("transposed FP8, %d rows%s: %d errors; smem bytes %d\n", kRows, kBf16Q ? ", bf16 q" : "", errors,
+  printf("transposed FP8, %d rows%s: %d errors; smem bytes %d\n", kRows, kWideQ ? ", 16-bit q" : "", errors,
          T::kSmemBytes);
   return errors;
 }

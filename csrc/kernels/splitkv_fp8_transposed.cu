@@ -6,7 +6,7 @@
 //   tile_scheduler.h        which pieces a CTA owns (the same plan as the split-KV kernel)
 // Grid: (1, KV head, SM part), one CTA per SM; 384 threads = two computing warpgroups and a producer warpgroup
 // (one warp of it issues the copies).
-// S^T of a bf16 q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
+// S^T of a 16-bit q's three Q terms is one m64n48k32 WGMMA, a shape CUTLASS declares among its extended ones
 // (transposed_traits.h checks that the atom is that wide); before any CuTe header.
 #define CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED
 #include <cuda_runtime.h>
@@ -27,10 +27,10 @@
 
 FLASH_MLA_NAMESPACE_BEGIN
 
-template <int kRows, bool kBf16Q>
-__global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
+template <int kRows, bool kWideQ>
+__global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
     mla_splitkv_fp8_transposed_kernel(const __grid_constant__ DecodeParams params) {
-  using Traits = TransposedTraits<kRows, kBf16Q>;
+  using Traits = TransposedTraits<kRows, kWideQ>;
   using Mainloop = TransposedMainloop<Traits>;
   using Epilogue = TransposedEpilogue<Traits>;
   using Barrier = cutlass::arch::ClusterBarrier;
@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x % Traits::kWarpgroupThreads < 32) {
       Mainloop::produce(params, smem, range, kv_head);
-    } else if constexpr (kBf16Q) {
+    } else if constexpr (kWideQ) {
       Mainloop::produce_q(params, smem, range, kv_head);
     }
     return;
@@ -97,12 +97,12 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
-    SplitKvScales piece_scales = scales;    // a bf16 q: the Q tile's own descale in the score scale
+    SplitKvScales piece_scales = scales;    // a 16-bit q: the Q tile's own descale in the score scale
     if (pages > 0) {
       const int q_slot = q_count % Traits::kQSlots;
       Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
       cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
-      if constexpr (kBf16Q) piece_scales.score_log2 *= smem.q_descale[q_slot];
+      if constexpr (kWideQ) piece_scales.score_log2 *= smem.q_descale[q_slot];
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
@@ -119,10 +119,10 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kBf16Q>::kThreads, 1)
   }
 }
 
-template <int kRows, bool kBf16Q = false>
+template <int kRows, bool kWideQ = false>
 void launch_transposed(DecodeParams& params, cudaStream_t stream) {
-  using Traits = TransposedTraits<kRows, kBf16Q>;
-  auto kernel = mla_splitkv_fp8_transposed_kernel<kRows, kBf16Q>;
+  using Traits = TransposedTraits<kRows, kWideQ>;
+  auto kernel = mla_splitkv_fp8_transposed_kernel<kRows, kWideQ>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes);
   // One row tile per KV head: launched as a programmatic dependent, as the split-KV kernel's one-tile grids are
   // (splitkv_kernel.h).
@@ -135,7 +135,7 @@ void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void*
   DecodeParams params = binding_params;
   encode_kv_cache_tma(params, CacheDtype::kE4m3);
   params.out_by_tma = false;
-  if (params.q_format == kQBf16) {    // the binding sends a bf16 q here at <= kTransposedBf16QMaxRows rows only
+  if (params.q_format != kQFp8) {    // the binding sends a 16-bit q here at <= kTransposedWideQMaxRows rows only
     launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
   } else if (params.rows_per_kv <= 16) {
     launch_transposed<16>(params, static_cast<cudaStream_t>(stream));

@@ -7,10 +7,10 @@
 //     (an e4m3 q) wait q_empty[slot];    ->   wait q_full[slot]
 //       Q by cp.async, arrive q_full          per own page n of the piece:
 //     per page n:                               wait page_full[n % ring]
-//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5); a bf16
-//       5 TMA boxes -> page_full                                   q's three terms as N = 48, each its own
+//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5); a 16-
+//       5 TMA boxes -> page_full                                   bit q's 3 terms as N = 48, each its own
 //                                                                  columns
-//   producer warps 1-3 (a bf16 q)               mask (partial / causal pages), column maxima,
+//   producer warps 1-3 (a 16-bit q)             mask (partial / causal pages), column maxima,
 //   -----------------------------               vote: did a column pass its reference? (bar.red.or)
 //   per piece with pages:                         if so: the warps' maxima via shared memory, O^T and sums
 //     wait q_empty[slot]; Q loaded and cut        rescaled to the new reference
@@ -82,7 +82,7 @@ struct TransposedMainloop {
       const Piece piece = range.piece(seq);
       const int pages = piece.num_pages();
       if (pages == 0) continue;
-      if constexpr (!Traits::kBf16Q) load_q(p, smem, piece.seq, kv_head, q_count++);    // (else produce_q)
+      if constexpr (!Traits::kWideQ) load_q(p, smem, piece.seq, kv_head, q_count++);    // (else produce_q)
       int block = 0;
 #pragma unroll 1
       for (int page = 0; page < pages; ++page, ++stream_page) {
@@ -103,7 +103,7 @@ struct TransposedMainloop {
     }
   }
 
-  // Warps 1-3 with a bf16 q: the Q tile of each of the CTA's pieces with pages, cut into e4m3 terms (load_q), so
+  // Warps 1-3 with a 16-bit q: the Q tile of each of the CTA's pieces with pages, cut into e4m3 terms (load_q), so
   // that the conversion never holds up warp 0's page copies.
   __device__ __forceinline__ static void produce_q(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
     int q_count = 0;
@@ -116,12 +116,12 @@ struct TransposedMainloop {
 
   // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
   // in SmemLayoutQ, by cp.async from warp 0's 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
-  // kernel zeroes both slots once); columns 576..639 are never read. A bf16 q: load_q_terms, by warps 1-3.
+  // kernel zeroes both slots once); columns 576..639 are never read. A 16-bit q: load_q_terms, by warps 1-3.
   __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
     using namespace cute;
     const int slot = q_count % kQSlots;
     if (q_count >= kQSlots) Barrier::wait(&smem.q_empty[slot], ((q_count / kQSlots) & 1) ^ 1);
-    if constexpr (Traits::kBf16Q) {
+    if constexpr (Traits::kWideQ) {
       load_q_terms(p, smem, seq, kv_head, slot);
       return;
     }
@@ -136,7 +136,7 @@ struct TransposedMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
   }
 
-  // A bf16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126) over the
+  // A bf16 or fp16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126) over the
   // tile (the rows_per_kv rows; the warps' maxima meet in q_amax[slot] behind the named barrier kQAmaxWritten), then
   // per value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
   // nearest, saturating), term t at rows kRows t.. of the slot's SmemLayoutQ tile, and d into q_descale[slot]. NaN
@@ -147,7 +147,8 @@ struct TransposedMainloop {
                                                       int kv_head, int slot) {
     using namespace cute;
     constexpr int kChunksPerRow = kHeadDimQK / 8;
-    const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + int64_t(seq) * p.q_batch_stride;
+    const uint16_t* q = static_cast<const uint16_t*>(p.q) + int64_t(seq) * p.q_batch_stride;    // 16-bit values
+    const bool bf16 = p.q_format == kQBf16;    // else fp16
     const int chunks = p.rows_per_kv * kChunksPerRow;
     const int t = threadIdx.x % kWgThreads - 32, warp = t / 32;    // warps 1-3 of the producer warpgroup
     auto source = [&](int chunk) {
@@ -155,14 +156,18 @@ struct TransposedMainloop {
       const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
       return *reinterpret_cast<const uint4*>(q + token * p.q_token_stride + head * p.q_head_stride + col);
     };
+    auto widen = [&](uint32_t pair) {    // two 16-bit values as float32
+      return bf16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair))
+                  : __half22float2(*reinterpret_cast<const __half2*>(&pair));
+    };
     float amax = 0.f;
 #pragma unroll 1
     for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
       const uint4 v = source(chunk);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+      const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
-        const float2 f = __bfloat1622float2(pairs[k]);
+        const float2 f = widen(pairs[k]);
         amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
     }
@@ -177,11 +182,11 @@ struct TransposedMainloop {
 #pragma unroll 1
     for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
       const uint4 v = source(chunk);
-      const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&v);
+      const uint32_t pairs[4] = {v.x, v.y, v.z, v.w};
       float2 y[4];
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
-        y[k] = __bfloat1622float2(pairs[k]);
+        y[k] = widen(pairs[k]);
         y[k].x *= scale;
         y[k].y *= scale;
       }
@@ -235,7 +240,7 @@ struct TransposedMainloop {
     if constexpr (Traits::kQTerms > 1) clear(tSrS);
 
     // ---- S^T = K Q^T: e4m3 WGMMAs keep ~14 bits while accumulating, so each 128-column unit's partial sum is
-    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A bf16 q's terms are B's
+    // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A 16-bit q's terms are B's
     // column blocks (N = 48: K is read once for all three), so each term's partial is its own; value i of term t
     // is value i + t N / 2 of the fragment (column + 16 t), summed with weights kQLoScale^-t ----------------------
     auto s_unit = [&](auto& acc, int unit) {    // acc = the unit's K block x Q^T, zeroed first

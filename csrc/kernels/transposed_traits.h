@@ -24,34 +24,34 @@ FLASH_MLA_NAMESPACE_BEGIN
 // issues the copies).
 enum class TransposedRole : int { kEvenPages = 0, kOddPages = 1, kProducer = 2 };
 
-template <int kRows_, bool kBf16Q_ = false>
+template <int kRows_, bool kWideQ_ = false>
 struct TransposedTraits {
   using E4m3 = cutlass::float_e4m3_t;
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A bf16 q: the producer quantises each Q tile to three e4m3 terms with one descale per tile, q / d = t0 + t1 / 16
+  // A 16-bit q (kWideQ: bf16 or fp16): the producer quantises each Q tile to three e4m3 terms with one descale per tile, q / d = t0 + t1 / 16
   // + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of one B operand (N = 48), so
   // that S^T reads each K block once for all three and each term's sum is a column block of its own.
   // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
   // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
   // three Q tiles of each of two slots fit beside a ring of three pages.
-  static constexpr bool kBf16Q = kBf16Q_;
-  static constexpr int kQTerms = kBf16Q ? 3 : 1;
+  static constexpr bool kWideQ = kWideQ_;
+  static constexpr int kQTerms = kWideQ ? 3 : 1;
   static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile: N of S^T
   // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
-  // warps 1-3 (a bf16 q: the conversion, off warp 0's path)
-  static constexpr int kQThreads = kBf16Q ? 96 : 32;
+  // warps 1-3 (a 16-bit q: the conversion, off warp 0's path)
+  static constexpr int kQThreads = kWideQ ? 96 : 32;
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
-  static_assert(!kBf16Q || kRows_ == 16, "a bf16 q at 16 rows");
+  static_assert(!kWideQ || kRows_ == 16, "a 16-bit q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
-  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A bf16 q: 3, beside its
+  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A 16-bit q: 3, beside its
   // six Q term tiles.
-  static constexpr int kRing = kRows == 16 && !kBf16Q ? 4 : 3;
+  static constexpr int kRing = kRows == 16 && !kWideQ ? 4 : 3;
   static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
@@ -60,11 +60,11 @@ struct TransposedTraits {
   static constexpr int kThreads = (kComputeWarpgroups + 1) * kWarpgroupThreads;
   // Registers a thread after setmaxnreg (multiples of 8). The split may use no more than the CTA got at launch
   // (168 a thread at 384 threads): setmaxnreg.inc takes registers from the CTA's own pool, which only the producer's
-  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A bf16 q: the
+  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A 16-bit q: the
   // producer's conversion to e4m3 terms spilled at 24 (two terms), so 40, and the computing warpgroups give up 8.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kBf16Q ? 40 : 24;
-  static constexpr int kComputeRegisters = kBf16Q ? 232 : 240;
+  static constexpr int kProducerRegisters = kWideQ ? 40 : 24;
+  static constexpr int kComputeRegisters = kWideQ ? 232 : 240;
   static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
                     (kComputeWarpgroups + 1) * kLaunchRegisters,
                 "the registers setmaxnreg hands out are those the CTA was launched with");
@@ -82,9 +82,9 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a bf16 q's Q terms),
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a 16-bit q's Q terms),
   // in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = kBf16Q ? 4 : 8;
+  static constexpr int kExchangeFloat4s = kWideQ ? 4 : 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
@@ -112,7 +112,7 @@ struct TransposedTraits {
   using TiledMmaS = decltype(cute::make_tiled_mma(
       cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kQRows>, cute::_128>>()));
   static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kQRows,
-                "S^T in one WGMMA per K block (N = 48 for a bf16 q: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe)");
+                "S^T in one WGMMA per K block (N = 48 for a 16-bit q: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe)");
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Half, Half, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_16>>()));
 
@@ -126,8 +126,8 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
-    float q_descale[kQSlots];                       // a bf16 q: the tile's descale (the producer's choice)
-    float q_amax[kQSlots][kQThreads / 32];          // a bf16 q: each converting warp's maximum of |q|
+    float q_descale[kQSlots];                       // a 16-bit q: the tile's descale (the producer's choice)
+    float q_amax[kQSlots][kQThreads / 32];          // a 16-bit q: each converting warp's maximum of |q|
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
@@ -147,7 +147,7 @@ enum class TransposedBarrier : uint32_t {
   kReferenceVote = 3,      // + warpgroup: bar.red.or over "some column's maximum passed its reference"
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
-  kQAmaxWritten = 9,       // a bf16 q: the converting warps' maxima of |q| are in shared memory (kQThreads)
+  kQAmaxWritten = 9,       // a 16-bit q: the converting warps' maxima of |q| are in shared memory (kQThreads)
 };
 static_assert(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten) < 16, "bar.sync ids are 0..15");
 
