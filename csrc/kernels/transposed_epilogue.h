@@ -7,14 +7,18 @@
 // The hand-offs are mbarriers of all 256 threads (arrive, then wait for the phase), so every write is ordered
 // before the other warpgroup's reads and every read before the next writes (the next piece's stats_posted
 // waits for both warpgroups' arrivals, which come after their reads).
-//   3. each normalises its dims and writes them: unsplit pieces out (bf16, attention sink applied) and lse,
-//      split ones fp32 partials and lse to the piece's workspace slot (the combine kernel reads them)
+//   3. each normalises its dims and writes them: unsplit pieces out (bf16, or fp16 with an fp16 q; attention sink
+//      applied) and lse, split ones fp32 partials and lse to the piece's workspace slot (the combine kernel reads them)
 // A piece with no pages, or a warpgroup that got none of its pages, has references -inf and sums 0: it adds
 // nothing, and a column no key reached gets out 0 and lse -inf.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
+
+#include <cstring>
 
 #include "params.h"
 #include "result_rows.h"
@@ -124,11 +128,23 @@ struct TransposedEpilogue {
       if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[result.head] - lse);
       const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
       if (!piece.split) {
-        __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out) + result.out_offset(p, piece.seq);
+        // out is bf16, or with an fp16 q fp16 (the binding's out dtype)
+        uint16_t* out = static_cast<uint16_t*>(p.out) + result.out_offset(p, piece.seq);
+        auto pack = [&](float a, float b) {
+          uint32_t bits;
+          if (Traits::kWideQ && !p.out_bf16) {
+            const __half2 h = __floats2half2_rn(a, b);
+            memcpy(&bits, &h, 4);
+          } else {
+            const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+            memcpy(&bits, &h, 4);
+          }
+          return bits;
+        };
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {
-          *reinterpret_cast<__nv_bfloat162*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
-              __floats2bfloat162_rn(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
+          *reinterpret_cast<uint32_t*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
+              pack(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
         if (warpgroup == 0 && warp == 0 && lane < 4) p.lse[result.lse_offset(p, piece.seq)] = lse;
       } else {
