@@ -96,10 +96,9 @@ class RawFp8Bf16QExtension(RawFp8Extension):
     """The FP8-cache path with a bf16 q (--fp8 --bf16-q, the form vLLM also calls): the cache copies quantised as
     with --fp8, q left in bf16, descale_k only."""
 
-    def decode(self, q, k, bt, seqlens, plan, causal):
-        md, ns = plan
-        k8, descale_k = self.k8[k.data_ptr()]
-        return tuple(self.mod.mla_decode(q, k8, bt, seqlens, 512, md, ns, 576 ** -0.5, causal, descale_k=descale_k))
+    def prepare(self, q, ks):
+        super().prepare(q, ks)
+        self.q8, self.dq = q, None
 
 
 class RawSparseExtension(RawExtension):

@@ -29,7 +29,6 @@ template <class Traits>
 struct SplitKvEpilogue {
   using Element = typename Traits::Element;
   static constexpr int kColsPerWarpgroup = Traits::kColsPerWarpgroup;
-  static constexpr float kLn2 = 0.6931471805599453f;
 
   // Writes this warpgroup's 256 columns of the piece's 64 x 512 result. `stats` holds the rows' final references
   // and this thread's part of the row sums (quad-reduced here); O is the (ROW, COL) accumulator view and

@@ -27,6 +27,9 @@ struct SplitKvScales {
   float out;           // descale_k (V is the cache's first 512 columns)
 };
 
+// lse is kept in log2 units until it is written: lse = (reference * score_log2 + log2(sum)) * ln 2.
+constexpr float kLn2 = 0.6931471805599453f;
+
 struct RowStats {
   float max[kRowsPerThread];    // the rows' references (raw scores; lazy_reference)
   float sum[kRowsPerThread];    // running softmax denominator, relative to exp2(max * scale_log2)

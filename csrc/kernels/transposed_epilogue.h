@@ -35,7 +35,6 @@ struct TransposedEpilogue {
   using SharedStorage = typename Traits::SharedStorage;
   static constexpr int kWgThreads = Traits::kWarpgroupThreads;
   static constexpr int kSlots = Traits::kSlots;
-  static constexpr float kLn2 = 0.6931471805599453f;
 
   // tOrO: the warpgroup's (MMA, 8 dim blocks, 1) O^T accumulator of the piece, its rows in load_vt_fragment's dim
   // order, block k holding dims 64 ((k + 4 w) mod 8) (accumulate_o): blocks 0-3 are the warpgroup's own half, 4-7
