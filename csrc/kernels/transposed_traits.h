@@ -42,6 +42,7 @@ struct TransposedTraits {
   // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
   // warps 1-3 (a 16-bit q: the conversion, off warp 0's path)
   static constexpr int kQThreads = kWideQ ? 96 : 32;
+  static_assert(kQThreads / 32 <= 4, "SharedStorage::q_amax holds 4 warps' maxima a slot");
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
@@ -126,8 +127,10 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
+    // A 16-bit q: each converting warp's maximum of |q|, a row of 4 (16 bytes) a slot: the readers' vector load of a
+    // row must not reach a neighbour written meanwhile (q_descale beside one row was: racecheck, one slot)
+    alignas(16) float q_amax[kQSlots][4];
     float q_descale[kQSlots];                       // a 16-bit q: the tile's descale (the producer's choice)
-    float q_amax[kQSlots][kQThreads / 32];          // a 16-bit q: each converting warp's maximum of |q|
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
