@@ -34,11 +34,12 @@ with the anchors, so each ratio (best anchor / variant) comes from one process a
 process the variant timed first on each workload is the fastest: two identical builds measured 0.985 / 0.966 and, in
 the other order, 0.988 / 0.973 (18 compute-bound rows' geomean; sparse rows ~1 %; H100, 2026-11-27). So each repeat
 runs the variants in an order rotated by one: with --repeat equal to the number of variants every variant is first
-once, and a variant's columns are compared by their mean over the repeats. Results of
-the variants must agree with the first one (out rel-L2 < 1e-2 on every fourth element, the same -inf pattern of
-lse) unless --timing-only. Prints one row per workload (times, the first process's anchor time, ratios) and the
-geometric means per group (table rows split into memory-bound h_q * s_q < 128 and compute-bound); variants are
-compared with each other only inside one run of this script.
+once, and a variant's columns are compared by their mean over the repeats. Results of the variants must agree with
+the first one (out rel-L2 < 1e-2 on every fourth element, the same -inf pattern of lse) unless --timing-only. A
+timing process that fails (a kernel fault, a variant that does not build) leaves its columns out: the rest is still
+printed, with a `# left out:` line per failed process, and the script exits 1. Prints one row per workload (times,
+the first process's anchor time, ratios) and the geometric means per group (table rows split into memory-bound
+h_q * s_q < 128 and compute-bound); variants are compared with each other only inside one run of this script.
 """
 import argparse
 import glob
@@ -221,10 +222,10 @@ def main():
     if len(set(names)) != len(names):
         raise SystemExit(f"variant folders need distinct names: {names}")
     runs = timing_runs(names, args.folders, args.repeat, args.same_process)
-    names = [n for run in runs for n, _f in run]
     work = workloads(sxs, args)
     times = {}   # name -> list of (variant seconds, anchor seconds) per workload
     saved = {}   # name -> folder of its results
+    failed = []  # one line per timing process that failed: its columns are left out, the others still reported
     with tempfile.TemporaryDirectory() as tmp:
         for ri, run_variants in enumerate(runs):
             save = os.path.join(tmp, f"run{ri}")
@@ -237,10 +238,16 @@ def main():
             rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
             label = ", ".join(n for n, _f in run_variants)
             if run.returncode != 0 or len(rows) != len(work):
-                raise SystemExit(f"{label}: the timing process failed (exit {run.returncode}, {len(rows)} rows)")
+                failed.append(f"{label}: the timing process failed (exit {run.returncode}, {len(rows)} of "
+                              f"{len(work)} rows)")
+                print(failed[-1], file=sys.stderr, flush=True)
+                continue
             for k, (name, _f) in enumerate(run_variants):
                 times[name] = [(r["variants"][k], r["anchor"]) for r in rows]
                 saved[name] = os.path.join(save, str(k))
+        names = [n for run in runs for n, _f in run if n in times]
+        if not names:
+            raise SystemExit("every timing process failed:\n" + "\n".join(failed))
         for wi, (_group, label, *_rest) in enumerate(work):
             base = torch.load(os.path.join(saved[names[0]], f"{wi}.pt"))
             for name in names[1:] if not args.timing_only else []:
@@ -261,6 +268,10 @@ def main():
         columns = list(zip(*rows))
         print(f"# {kind} ({len(rows)} rows) geomean: " +
               ", ".join(f"{n} {geomean(c):.3f} (min {min(c):.3f})" for n, c in zip(names, columns)))
+    for line in failed:
+        print(f"# left out: {line}")
+    if failed:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":
