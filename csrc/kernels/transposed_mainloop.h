@@ -72,8 +72,8 @@ struct TransposedMainloop {
 
   // ========================================= producer ========================================================
 
-  // Warp 0: pages of the CTA's stream into the ring, an e4m3 q's Q tiles into their slots. The block table is read 32 entries at a
-  // time (a lane each) so that no copy waits for a block id's load.
+  // Warp 0: pages of the CTA's stream into the ring, an e4m3 q's Q tiles into their slots. The block table is read
+  // 32 entries at a time (a lane each) so that no copy waits for a block id's load.
   __device__ __forceinline__ static void produce(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
     const int lane = threadIdx.x % 32;
     int stream_page = 0, q_count = 0;
@@ -105,7 +105,8 @@ struct TransposedMainloop {
 
   // Warps 1-3 with a 16-bit q: the Q tile of each of the CTA's pieces with pages, cut into e4m3 terms (load_q), so
   // that the conversion never holds up warp 0's page copies.
-  __device__ __forceinline__ static void produce_q(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range, int kv_head) {
+  __device__ __forceinline__ static void produce_q(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range,
+                                                   int kv_head) {
     int q_count = 0;
 #pragma unroll 1
     for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
@@ -136,13 +137,13 @@ struct TransposedMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
   }
 
-  // A bf16 or fp16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126) over the
-  // tile (the rows_per_kv rows; the warps' maxima meet in q_amax[slot] behind the named barrier kQAmaxWritten), then
-  // per value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
-  // nearest, saturating), term t at rows kRows t.. of the slot's SmemLayoutQ tile, and d into q_descale[slot]. NaN
-  // stays NaN (fmaxf leaves it out of the maximum; x / d is NaN). Two passes over the tile's 16-byte chunks of 8
-  // values (the second from L1). q_amax[slot] is written again only after q_empty[slot], which every consumer
-  // passes after q_full[slot], which needs every thread's arrival below, after its read.
+  // A bf16 or fp16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126)
+  // over the tile (the rows_per_kv rows; the warps' maxima meet in q_amax[slot] behind the named barrier
+  // kQAmaxWritten), then per value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ...
+  // (kQLoScale; round to nearest, saturating), term t at rows kRows t.. of the slot's SmemLayoutQ tile, and d into
+  // q_descale[slot]. NaN stays NaN (fmaxf leaves it out of the maximum; x / d is NaN). Two passes over the tile's
+  // 16-byte chunks of 8 values (the second from L1). q_amax[slot] is written again only after q_empty[slot], which
+  // every consumer passes after q_full[slot], which needs every thread's arrival below, after its read.
   __device__ __forceinline__ static void load_q_terms(const DecodeParams& p, SharedStorage& smem, int seq,
                                                       int kv_head, int slot) {
     using namespace cute;

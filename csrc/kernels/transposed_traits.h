@@ -30,9 +30,10 @@ struct TransposedTraits {
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A 16-bit q (kWideQ: bf16 or fp16): the producer quantises each Q tile to three e4m3 terms with one descale per tile, q / d = t0 + t1 / 16
-  // + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of one B operand (N = 48), so
-  // that S^T reads each K block once for all three and each term's sum is a column block of its own.
+  // A 16-bit q (kWideQ: bf16 or fp16): producer warps 1-3 quantise each Q tile to three e4m3 terms with one descale
+  // per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of
+  // one B operand (N = 48), so that S^T reads each K block once for all three and each term's sum is a column block
+  // of its own.
   // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
   // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
   // three Q tiles of each of two slots fit beside a ring of three pages.
