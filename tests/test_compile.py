@@ -1,11 +1,13 @@
 """Compile check of the Hopper kernels on any machine with nvcc (no GPU needed).
 
 Every csrc/kernels/*.cu is compiled for sm_90a with the flags setup.py uses; ptxas's register and spill report is
-printed; the split-KV attention kernels must not spill. The host-side shared-memory layout check
+printed; the split-KV attention kernels (the transposed FP8 one too) must not spill, and the transposed kernel's SASS
+must hold every WGMMA its source issues (with cuobjdump). The host-side shared-memory layout check
 (csrc/checks/smem_layout_check.cu) is compiled and run. Skips when nvcc is absent.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -98,6 +100,55 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
                 assert stores == 0 and loads == 0, (f"{name}: {stores} B spill stores, {loads} B spill loads "
                                                     f"({regs} registers)")
     assert found == expected, f"expected {expected} {kernel} instantiations in the ptxas report, found {found}"
+
+
+def test_transposed_fp8_kernel_does_not_spill(compiled):
+    """The transposed FP8 kernel (e4m3 q at 16 and 32 rows, a 16-bit q at 16) is a split-KV kernel too (SPEC: no
+    spills); its name does not contain mla_splitkv_kernel."""
+    found = 0
+    for _, proc in compiled:
+        for name, regs, stores, loads in parse_ptxas(proc.stderr):
+            if "mla_splitkv_fp8_transposed_kernel" in name:
+                found += 1
+                assert stores == 0 and loads == 0, (f"{name}: {stores} B spill stores, {loads} B spill loads "
+                                                    f"({regs} registers)")
+    assert found == 3, f"expected 3 transposed kernel instantiations in the ptxas report, found {found}"
+
+
+def _cuobjdump() -> str | None:
+    """cuobjdump from CUOBJDUMP, PATH, the CUDA toolkit or Triton's wheel (triton/backends/nvidia/bin)."""
+    triton = importlib.util.find_spec("triton")
+    bundled = (Path(triton.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+               if triton is not None and triton.origin else None)
+    for candidate in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump", bundled):
+        if candidate and Path(candidate).exists():
+            return str(candidate)
+    return None
+
+
+@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump (CUDA toolkit) not found")
+def test_transposed_fp8_kernel_keeps_every_wgmma(compiled):
+    """ptxas has left S^T WGMMAs out of the SASS while their PTX was there (14 of 18 with a conditional first
+    assignment of the sum, 20 of 36 with one accumulator shared by two S tiles; 2026-11-29), silently: each
+    instantiation must issue S^T's 18 e4m3 WGMMAs a page (K steps of 32: 4 + 4 + 4 + 4 + 2 over the five units) and
+    O^T's 64 (4 key blocks x 8 dim blocks, in the partial-page and full-page forms)."""
+    objects = [proc.args[proc.args.index("-o") + 1] for cu, proc in compiled if cu.name == "splitkv_fp8_transposed.cu"]
+    assert len(objects) == 1 and Path(objects[0]).exists(), "splitkv_fp8_transposed.cu was not compiled"
+    sass = subprocess.run([_cuobjdump(), "-sass", objects[0]], capture_output=True, text=True)
+    assert sass.returncode == 0, sass.stderr[-2000:]
+    counts, current = {}, None
+    for line in sass.stdout.splitlines():
+        m = re.search(r"Function\s*:\s*(\S+)", line)
+        if m:
+            current = counts.setdefault(m.group(1), {"S": 0, "O": 0})
+        elif current is not None and re.search(r"\bQGMMA\.64x\d+x32\.F32\.E4M3\.E4M3\b", line):
+            current["S"] += 1
+        elif current is not None and re.search(r"\bHGMMA\.64x\d+x16\.F32\b", line):    # not ptxas's F16 dummy
+            current["O"] += 1
+    transposed = {name: c for name, c in counts.items() if "mla_splitkv_fp8_transposed_kernel" in name}
+    assert len(transposed) == 3, f"expected 3 transposed kernel instantiations, found {sorted(counts)}"
+    for name, c in transposed.items():
+        assert c == {"S": 18, "O": 64}, f"{name}: {c['S']} S^T and {c['O']} O^T WGMMAs, expected 18 and 64"
 
 
 @pytest.mark.parametrize("program", sorted((ROOT / "benchmarks").glob("*.cu")), ids=lambda p: p.name)
