@@ -88,12 +88,20 @@ def _bundled_with_triton(name: str) -> str | None:
     return str(path) if path.exists() else None
 
 
-def _tool(env: str, name: str, hint: str) -> str:
+def find_tool(env: str, name: str) -> str | None:
+    """A CUDA tool (`name`) from the environment variable `env`, PATH, /usr/local/cuda/bin or Triton's wheel."""
     for candidate in (os.environ.get(env), shutil.which(name), f"/usr/local/cuda/bin/{name}",
                       _bundled_with_triton(name)):
         if candidate and Path(candidate).exists():
             return candidate
-    raise SystemExit(f"sass_diff: {name} not found: set {env}{hint}")
+    return None
+
+
+def _tool(env: str, name: str, hint: str) -> str:
+    found = find_tool(env, name)
+    if found is None:
+        raise SystemExit(f"sass_diff: {name} not found: set {env}{hint}")
+    return found
 
 
 def _cutlass_include(tree: Path) -> str:

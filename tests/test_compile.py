@@ -7,7 +7,6 @@ must hold every WGMMA its source issues (with cuobjdump). The host-side shared-m
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import shutil
@@ -24,7 +23,11 @@ sys.path.insert(0, str(ROOT))
 
 from flash_mla.testing import find_nvcc  # noqa: E402 (after the sys.path insert)
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import sass_diff  # noqa: E402 (after the sys.path insert)
+
 NVCC = find_nvcc()
+CUOBJDUMP = sass_diff.find_tool("CUOBJDUMP", "cuobjdump")
 pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found")
 
 
@@ -87,11 +90,13 @@ def test_every_kernel_compiles_for_sm90a(compiled):
             print(f"{cu.name}: {name[:70]}: {regs} registers, {st} B spill stores, {ld} B spill loads")
 
 
-@pytest.mark.parametrize("kernel", ["mla_splitkv_kernel", "mla_combine_kernel"], ids=["splitkv", "combine"])
+@pytest.mark.parametrize("kernel", ["mla_splitkv_kernel", "mla_splitkv_fp8_transposed_kernel", "mla_combine_kernel"],
+                         ids=["splitkv", "transposed", "combine"])
 def test_attention_kernels_do_not_spill(compiled, kernel):
-    """Every instantiation: split-KV bf16, fp16, fp8 cache (16-bit q, e4m3 q) and sparse fp8 cache; combine bf16
-    and fp16."""
-    expected = {"mla_splitkv_kernel": 5, "mla_combine_kernel": 2}[kernel]
+    """Every instantiation: split-KV bf16, fp16, fp8 cache (16-bit q, e4m3 q) and sparse fp8 cache; the transposed
+    FP8 kernel (e4m3 q at 16 and 32 rows, a 16-bit q at 16: a split-KV kernel whose name does not contain
+    mla_splitkv_kernel); combine bf16 and fp16."""
+    expected = {"mla_splitkv_kernel": 5, "mla_splitkv_fp8_transposed_kernel": 3, "mla_combine_kernel": 2}[kernel]
     found = 0
     for _, proc in compiled:
         for name, regs, stores, loads in parse_ptxas(proc.stderr):
@@ -102,31 +107,7 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
     assert found == expected, f"expected {expected} {kernel} instantiations in the ptxas report, found {found}"
 
 
-def test_transposed_fp8_kernel_does_not_spill(compiled):
-    """The transposed FP8 kernel (e4m3 q at 16 and 32 rows, a 16-bit q at 16) is a split-KV kernel too (SPEC: no
-    spills); its name does not contain mla_splitkv_kernel."""
-    found = 0
-    for _, proc in compiled:
-        for name, regs, stores, loads in parse_ptxas(proc.stderr):
-            if "mla_splitkv_fp8_transposed_kernel" in name:
-                found += 1
-                assert stores == 0 and loads == 0, (f"{name}: {stores} B spill stores, {loads} B spill loads "
-                                                    f"({regs} registers)")
-    assert found == 3, f"expected 3 transposed kernel instantiations in the ptxas report, found {found}"
-
-
-def _cuobjdump() -> str | None:
-    """cuobjdump from CUOBJDUMP, PATH, the CUDA toolkit or Triton's wheel (triton/backends/nvidia/bin)."""
-    triton = importlib.util.find_spec("triton")
-    bundled = (Path(triton.origin).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-               if triton is not None and triton.origin else None)
-    for candidate in (os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump"), "/usr/local/cuda/bin/cuobjdump", bundled):
-        if candidate and Path(candidate).exists():
-            return str(candidate)
-    return None
-
-
-@pytest.mark.skipif(_cuobjdump() is None, reason="cuobjdump (CUDA toolkit) not found")
+@pytest.mark.skipif(CUOBJDUMP is None, reason="cuobjdump (CUDA toolkit) not found")
 def test_transposed_fp8_kernel_keeps_every_wgmma(compiled):
     """ptxas has left S^T WGMMAs out of the SASS while their PTX was there (14 of 18 with a conditional first
     assignment of the sum, 20 of 36 with one accumulator shared by two S tiles; 2026-11-29), silently: each
@@ -134,7 +115,7 @@ def test_transposed_fp8_kernel_keeps_every_wgmma(compiled):
     O^T's 64 (4 key blocks x 8 dim blocks, in the partial-page and full-page forms)."""
     objects = [proc.args[proc.args.index("-o") + 1] for cu, proc in compiled if cu.name == "splitkv_fp8_transposed.cu"]
     assert len(objects) == 1 and Path(objects[0]).exists(), "splitkv_fp8_transposed.cu was not compiled"
-    sass = subprocess.run([_cuobjdump(), "-sass", objects[0]], capture_output=True, text=True)
+    sass = subprocess.run([CUOBJDUMP, "-sass", objects[0]], capture_output=True, text=True)
     assert sass.returncode == 0, sass.stderr[-2000:]
     counts, current = {}, None
     for line in sass.stdout.splitlines():
