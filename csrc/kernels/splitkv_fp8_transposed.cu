@@ -106,6 +106,14 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
+        // An odd ring gives a buffer's pages to the warpgroups in turn (page n - kRing was the other's), so this
+        // warpgroup's wait skips a phase of page_full[buffer]: a parity wait is only sound once page n - kRing has
+        // landed (else that phase's parity still reads "complete" from page n - 2 kRing, and this warpgroup would
+        // read the buffer early and arrive on page_empty out of turn). Its release says so, and page_empty is then
+        // at most one phase behind this wait (page n's release is this warpgroup's own).
+        if constexpr (Traits::kRing % 2 == 1) {
+          if (n >= Traits::kRing) Barrier::wait(&smem.page_empty[buffer], ((n / Traits::kRing) & 1) ^ 1);
+        }
         Barrier::wait(&smem.page_full[buffer], (n / Traits::kRing) & 1);
         Mainloop::page(params, piece_scales, smem, warpgroup, buffer, q_slot, piece,
                        piece.begin + page * kPageBlockSize, tOrO, stats);
