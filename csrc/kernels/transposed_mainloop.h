@@ -244,7 +244,7 @@ struct TransposedMainloop {
     // added in float32 (the e4m3-scores kernel's rule; tests/test_fp8.py's lse bound). A 16-bit q's terms are B's
     // column blocks (N = 48: K is read once for all three), so each term's partial is its own; value i of term t
     // is value i + t N / 2 of the fragment (column + 16 t), summed with weights kQLoScale^-t ----------------------
-    auto s_unit = [&](auto& acc, int unit) {    // acc = the unit's K block x Q^T, zeroed first
+    auto issue_unit = [&](auto& acc, int unit) {    // acc = the unit's K block x Q^T, zeroed first
       warpgroup_fence_operand(acc);
       warpgroup_arrive();
       constexpr int kSteps = Traits::kUnitCols / 32;
@@ -254,18 +254,39 @@ struct TransposedMainloop {
         gemm(mma_s, tSrK(_, _, unit * kSteps + kk), tSrQ(_, _, unit * kSteps + kk), acc);
       }
       warpgroup_commit_batch();
+    };
+    auto s_unit = [&](auto& acc, int unit) {
+      issue_unit(acc, unit);
       warpgroup_wait<0>();
       warpgroup_fence_operand(acc);
     };
-    CUTE_UNROLL
-    for (int unit = 0; unit < Traits::kUnits; ++unit) {
-      if constexpr (Traits::kQTerms == 1) {
-        s_unit(unit == 0 ? tSrS : tSrU, unit);
-        if (unit > 0) {
-          CUTE_UNROLL
-          for (int i = 0; i < size(tSrS); ++i) tSrS(i) += tSrU(i);
-        }
-      } else {
+    if constexpr (Traits::kQTerms == 1) {
+      // units in flight two at a time: unit u + 1's WGMMAs run while unit u - 1's partial is added (parts alternate)
+      Tensor tSrU1 = make_fragment_like(tSrU);
+      auto fold = [&](auto& acc) {
+        warpgroup_fence_operand(acc);
+        CUTE_UNROLL
+        for (int i = 0; i < size(tSrS); ++i) tSrS(i) += acc(i);
+      };
+      static_assert(Traits::kUnits == 5, "the unit schedule below");
+      issue_unit(tSrS, 0);
+      issue_unit(tSrU, 1);
+      warpgroup_wait<1>();             // unit 0
+      warpgroup_fence_operand(tSrS);
+      issue_unit(tSrU1, 2);
+      warpgroup_wait<1>();             // unit 1
+      fold(tSrU);
+      issue_unit(tSrU, 3);
+      warpgroup_wait<1>();             // unit 2
+      fold(tSrU1);
+      issue_unit(tSrU1, 4);
+      warpgroup_wait<1>();             // unit 3
+      fold(tSrU);
+      warpgroup_wait<0>();             // unit 4
+      fold(tSrU1);
+    } else {
+      CUTE_UNROLL
+      for (int unit = 0; unit < Traits::kUnits; ++unit) {
         s_unit(tSrU, unit);
         constexpr int kTermValues = Traits::kRows / 2;
         static_assert(Traits::kQTerms == 3, "three terms");
