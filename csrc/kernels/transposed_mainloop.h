@@ -7,9 +7,9 @@
 //     (an e4m3 q) wait q_empty[slot];    ->   wait q_full[slot]
 //       Q by cp.async, arrive q_full          per own page n of the piece:
 //     per page n:                               wait page_full[n % ring]
-//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5); a 16-
-//       5 TMA boxes -> page_full                                   bit q's 3 terms as N = 48, each its own
-//                                                                  columns
+//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5), two
+//       5 TMA boxes -> page_full                                   units in flight; a 16-bit q's 3 terms
+//                                                                  as N = 48 (own columns), a unit at a time
 //   producer warps 1-3 (a 16-bit q)             mask (partial / causal pages), column maxima,
 //   -----------------------------               vote: did a column pass its reference? (bar.red.or)
 //   per piece with pages:                         if so: the warps' maxima via shared memory, O^T and sums
@@ -261,7 +261,9 @@ struct TransposedMainloop {
       warpgroup_fence_operand(acc);
     };
     if constexpr (Traits::kQTerms == 1) {
-      // units in flight two at a time: unit u + 1's WGMMAs run while unit u - 1's partial is added (parts alternate)
+      // Two units in flight: unit u + 1's WGMMAs run while unit u's are waited for and unit u - 1's partial is
+      // added (two partials in turn; H200: +2-3 % on the 32-row rows, same on the 16-row ones). A 16-bit q's part
+      // is 24 values at 232 registers: one unit at a time (s_unit).
       Tensor tSrU1 = make_fragment_like(tSrU);
       auto fold = [&](auto& acc) {
         warpgroup_fence_operand(acc);
