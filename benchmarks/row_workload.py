@@ -19,6 +19,8 @@ def add_row_arguments(ap):
     ap.add_argument("--impls", default="flash_mla,head", help="comma-separated: flash_mla, v1, head")
     ap.add_argument("--b", type=int, default=128)
     ap.add_argument("--mean", type=int, default=8192, help="dense rows: every sequence's length")
+    ap.add_argument("--varied", action="store_true",
+                    help="dense rows: the referee's table row 'L=<mean>v' instead (b = 128, lengths ~ N(mean, mean/2))")
     ap.add_argument("--h-q", type=int, default=128)
     ap.add_argument("--s-q", type=int, default=2)
     ap.add_argument("--sparse", action="store_true", help="sparse FP8 decoding (the referee's --sparse workload)")
@@ -29,7 +31,8 @@ def add_row_arguments(ap):
 def row_label(args):
     if args.sparse:
         return f"sparse b={args.b} topk={args.topk} h={args.h_q} s={args.s_q}"
-    return f"b={args.b} L={args.mean}f h={args.h_q} s={args.s_q}" + (" (flash_mla fp8)" if args.fp8 else "")
+    form = "v" if getattr(args, "varied", False) else "f"
+    return f"b={args.b} L={args.mean}{form} h={args.h_q} s={args.s_q}" + (" (flash_mla fp8)" if args.fp8 else "")
 
 
 def kinds_for(args):
@@ -54,7 +57,15 @@ def row_workload(args, prepared_copies=None):
         q, ks, bt = sxs.make_sparse_workload(args.b, args.s_q, args.h_q, args.topk, seed=1)
         seqlens, causal = None, False
     else:
-        q, ks, bt, seqlens = sxs.make_workload([args.mean] * args.b, args.s_q, args.h_q, 1, seed=1)
+        lens = [args.mean] * args.b
+        if getattr(args, "varied", False):
+            label = f"b={args.b} L={args.mean}v h={args.h_q} s={args.s_q}"
+            found = [w_lens for _group, w_label, w_lens, _s_q, _h_q in sxs.table_workloads() if w_label == label]
+            if not found:
+                raise SystemExit(f"--varied: the referee's table has no row {label!r} (b = 128; L 4096, 8192, 16384; "
+                                 "h_q 16-128; s_q 1, 2)")
+            lens = found[0]
+        q, ks, bt, seqlens = sxs.make_workload(lens, args.s_q, args.h_q, 1, seed=1)
         causal = True
     impls = {}
     for name in args.impls.split(","):

@@ -19,6 +19,9 @@ FAKE_SXS = textwrap.dedent('''
     def make_workload(lens, s_q, h_q, h_kv, seed):
         calls.append(("dense", len(lens), lens[0], s_q, h_q, h_kv, seed))
         return "q", ["k0", "k1", "k2"], "bt", "seqlens"
+    def table_workloads():
+        return [("table", "b=128 L=4096f h=16 s=2", [4096] * 128, 2, 16),
+                ("table", "b=128 L=4096v h=16 s=2", [4097 + i for i in range(128)], 2, 16)]
     def make_sparse_workload(b, s_q, h_q, topk, seed):
         calls.append(("sparse", b, s_q, h_q, topk, seed))
         return "q", ["k0", "k1"], "indices"
@@ -94,3 +97,14 @@ def test_refused_rows(anchors, argv, words):
 def test_the_scripts_take_the_row_arguments():
     for script in (ncu_row, power_row, kernel_times):
         assert script.add_row_arguments is row_workload.add_row_arguments
+
+
+def test_varied_row_takes_the_referees_lengths(anchors):
+    args = parse("--anchors", anchors, "--fp8", "--mean", "4096", "--h-q", "16", "--s-q", "2", "--varied")
+    row_workload.row_workload(args)
+    import sxs
+    assert sxs.calls == [("dense", 128, 4097, 2, 16, 1, 1)]       # the 'L=4096v' row's lengths, not 4096 each
+    assert row_workload.row_label(args) == "b=128 L=4096v h=16 s=2 (flash_mla fp8)"
+    with pytest.raises(SystemExit, match="no row 'b=128 L=2048v h=16 s=2'"):
+        row_workload.row_workload(parse("--anchors", anchors, "--mean", "2048", "--h-q", "16", "--s-q", "2",
+                                        "--varied"))
