@@ -181,12 +181,20 @@ def parse_lines(text: str) -> dict[str, list[tuple[str, collections.Counter]]]:
     return out
 
 
-def disassemble_lines(cubin: Path) -> str:
-    """`nvdisasm --print-line-info` of a cubin (NVDISASM, nvdisasm on PATH or in /usr/local/cuda/bin, or the one
-    beside CUOBJDUMP: the nvidia-cuda-cuobjdump wheel ships both)."""
+def find_nvdisasm() -> str | None:
+    """nvdisasm: NVDISASM, PATH, the one beside CUOBJDUMP (the nvidia-cuda-cuobjdump wheel ships both),
+    /usr/local/cuda/bin or Triton's wheel."""
     beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
-    nvdisasm = (os.environ.get("NVDISASM") or shutil.which("nvdisasm") or (str(beside) if beside.exists() else None)
-                or _bundled_with_triton("nvdisasm"))
+    for candidate in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"), str(beside),
+                      _bundled_with_triton("nvdisasm")):
+        if candidate and Path(candidate).exists():
+            return candidate
+    return None
+
+
+def disassemble_lines(cubin: Path) -> str:
+    """`nvdisasm --print-line-info` of a cubin (find_nvdisasm)."""
+    nvdisasm = find_nvdisasm()
     if nvdisasm is None:
         raise SystemExit("sass_diff: nvdisasm not found: set NVDISASM (it ships beside cuobjdump)")
     proc = subprocess.run([nvdisasm, "--print-line-info", str(cubin)], capture_output=True, text=True)

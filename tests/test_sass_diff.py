@@ -74,8 +74,7 @@ def test_report_prints_both_builds(capsys):
 
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="nvcc not found")
-@pytest.mark.skipif(shutil.which("cuobjdump") is None and not os.environ.get("CUOBJDUMP")
-                    and not os.path.exists("/usr/local/cuda/bin/cuobjdump"),
+@pytest.mark.skipif(sass_diff.find_tool("CUOBJDUMP", "cuobjdump") is None,
                     reason="cuobjdump (CUDA toolkit) not found")
 def test_end_to_end_on_a_tiny_kernel(tmp_path, capsys):
     pytest.importorskip("cutlass_library", reason="CUTLASS headers: pip install nvidia-cutlass")
@@ -147,14 +146,9 @@ def test_report_lines_prints_regions_files_and_top_lines(capsys, tmp_path):
     assert listed == ["epilogue.h:85"] and "3  epilogue.h:85  store(x);" in out    # top=1: the largest line only
 
 
-def _nvdisasm_found() -> bool:
-    beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
-    return bool(os.environ.get("NVDISASM") or shutil.which("nvdisasm") or beside.exists())
-
-
 @pytest.mark.skipif(shutil.which("nvcc") is None and not os.path.exists("/usr/local/cuda/bin/nvcc"),
                     reason="nvcc not found")
-@pytest.mark.skipif(not _nvdisasm_found(), reason="nvdisasm (CUDA toolkit) not found")
+@pytest.mark.skipif(sass_diff.find_nvdisasm() is None, reason="nvdisasm (CUDA toolkit) not found")
 def test_lines_end_to_end_on_a_tiny_kernel(tmp_path):
     pytest.importorskip("cutlass_library", reason="CUTLASS headers: pip install nvidia-cutlass")
     kernels = tmp_path / "csrc" / "kernels"
