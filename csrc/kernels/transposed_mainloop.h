@@ -6,9 +6,10 @@
 //   per piece with pages:                   per piece:
 //     (an e4m3 q) wait q_empty[slot];    ->   wait q_full[slot]
 //       Q by cp.async, arrive q_full          per own page n of the piece:
-//     per page n:                               wait page_full[n % ring]
-//       wait page_empty[n % ring]               S^T = K Q^T        e4m3, a float32 step a unit (5), two
-//       5 TMA boxes -> page_full                                   units in flight; a 16-bit q's 3 terms
+//     per page n:                               (odd ring) wait page_empty[n % ring] of page n - ring
+//       wait page_empty[n % ring]               wait page_full[n % ring]
+//       5 TMA boxes -> page_full                S^T = K Q^T        e4m3, a float32 step a unit (5), two
+//                                                                  units in flight; a 16-bit q's 3 terms
 //                                                                  as N = 48 (own columns), a unit at a time
 //   producer warps 1-3 (a 16-bit q)             mask (partial / causal pages), column maxima,
 //   -----------------------------               vote: did a column pass its reference? (bar.red.or)
