@@ -31,7 +31,7 @@ def add_row_arguments(ap):
 def row_label(args):
     if args.sparse:
         return f"sparse b={args.b} topk={args.topk} h={args.h_q} s={args.s_q}"
-    form = "v" if getattr(args, "varied", False) else "f"
+    form = "v" if args.varied else "f"
     return f"b={args.b} L={args.mean}{form} h={args.h_q} s={args.s_q}" + (" (flash_mla fp8)" if args.fp8 else "")
 
 
@@ -58,7 +58,7 @@ def row_workload(args, prepared_copies=None):
         seqlens, causal = None, False
     else:
         lens = [args.mean] * args.b
-        if getattr(args, "varied", False):
+        if args.varied:
             label = f"b={args.b} L={args.mean}v h={args.h_q} s={args.s_q}"
             found = [w_lens for _group, w_label, w_lens, _s_q, _h_q in sxs.table_workloads() if w_label == label]
             if not found:

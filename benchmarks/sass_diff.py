@@ -88,13 +88,14 @@ def _bundled_with_triton(name: str) -> str | None:
     return str(path) if path.exists() else None
 
 
+def _first_existing(*candidates: str | None) -> str | None:
+    return next((c for c in candidates if c and Path(c).exists()), None)
+
+
 def find_tool(env: str, name: str) -> str | None:
     """A CUDA tool (`name`) from the environment variable `env`, PATH, /usr/local/cuda/bin or Triton's wheel."""
-    for candidate in (os.environ.get(env), shutil.which(name), f"/usr/local/cuda/bin/{name}",
-                      _bundled_with_triton(name)):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
+    return _first_existing(os.environ.get(env), shutil.which(name), f"/usr/local/cuda/bin/{name}",
+                           _bundled_with_triton(name))
 
 
 def _tool(env: str, name: str, hint: str) -> str:
@@ -185,11 +186,8 @@ def find_nvdisasm() -> str | None:
     """nvdisasm: NVDISASM, PATH, the one beside CUOBJDUMP (the nvidia-cuda-cuobjdump wheel ships both),
     /usr/local/cuda/bin or Triton's wheel."""
     beside = Path(os.environ.get("CUOBJDUMP", "/usr/local/cuda/bin/cuobjdump")).with_name("nvdisasm")
-    for candidate in (os.environ.get("NVDISASM"), shutil.which("nvdisasm"), str(beside),
-                      _bundled_with_triton("nvdisasm")):
-        if candidate and Path(candidate).exists():
-            return candidate
-    return None
+    return _first_existing(os.environ.get("NVDISASM"), shutil.which("nvdisasm"), str(beside),
+                           _bundled_with_triton("nvdisasm"))
 
 
 def disassemble_lines(cubin: Path) -> str:
