@@ -97,12 +97,10 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
-    SplitKvScales piece_scales = scales;    // a 16-bit q: the Q tile's own descale in the score scale
     if (pages > 0) {
       const int q_slot = q_count % Traits::kQSlots;
       Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
       cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
-      if constexpr (kWideQ) piece_scales.score_log2 *= smem.q_descale[q_slot];
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
@@ -115,7 +113,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
           if (n >= Traits::kRing) Barrier::wait(&smem.page_empty[buffer], ((n / Traits::kRing) & 1) ^ 1);
         }
         Barrier::wait(&smem.page_full[buffer], (n / Traits::kRing) & 1);
-        Mainloop::page(params, piece_scales, smem, warpgroup, buffer, q_slot, piece,
+        Mainloop::page(params, scales, smem, warpgroup, buffer, q_slot, piece,
                        piece.begin + page * kPageBlockSize, tOrO, stats);
         Barrier::arrive(&smem.page_empty[buffer]);
       }
@@ -123,7 +121,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
       ++q_count;
       stream_page += pages;
     }
-    Epilogue::write(params, piece_scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
+    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
   }
 }
 
@@ -144,7 +142,11 @@ void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void*
   encode_kv_cache_tma(params, CacheDtype::kE4m3);
   params.out_by_tma = false;
   if (params.q_format != kQFp8) {    // the binding sends a 16-bit q here at <= kTransposedWideQMaxRows rows only
-    launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
+    if (params.rows_per_kv <= 16) {
+      launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
+    } else {
+      launch_transposed<32, true>(params, static_cast<cudaStream_t>(stream));
+    }
   } else if (params.rows_per_kv <= 16) {
     launch_transposed<16>(params, static_cast<cudaStream_t>(stream));
   } else {

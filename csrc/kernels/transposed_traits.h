@@ -30,16 +30,20 @@ struct TransposedTraits {
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A 16-bit q (kWideQ: bf16 or fp16): producer warps 1-3 quantise each Q tile to three e4m3 terms with one descale
-  // per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of
-  // one B operand (N = 48), so that S^T reads each K block once for all three and each term's sum is a column block
-  // of its own.
-  // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
-  // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
-  // three Q tiles of each of two slots fit beside a ring of three pages.
+  // A 16-bit q (kWideQ: bf16 or fp16): the producer quantises each Q tile to three e4m3 terms with one descale per
+  // tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))); the three terms of 16 query
+  // rows are the rows of one B operand (N = 48), so that S^T reads each K block once for all three and each term's
+  // sum is a column block of its own. Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against
+  // tests/test_fp8.py's 1e-3); three pass the e4m3 q's tolerances.
   static constexpr bool kWideQ = kWideQ_;
   static constexpr int kQTerms = kWideQ ? 3 : 1;
-  static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile: N of S^T
+  static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile
+  // S^T's WGMMAs take kSTileCols rows of the Q tile as their N: an e4m3 q the whole tile, a 16-bit q 16 query rows'
+  // three terms. So a 16-bit q at 32 rows has two S tiles, taken one after the other through S^T, the softmax and
+  // P^T (tile-major), so that one tile's 24-value part and 8 scores are live at a time (one N = 96 part spilled
+  // beside O^T's 128 registers, and so did two tiles unit by unit: ptxas overlapped their parts).
+  static constexpr int kSTileCols = kWideQ ? 16 * kQTerms : kRows;
+  static constexpr int kSTiles = kQRows / kSTileCols;
   // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
   // warps 1-3 (a 16-bit q: the conversion, off warp 0's path)
   static constexpr int kQThreads = kWideQ ? 96 : 32;
@@ -47,14 +51,14 @@ struct TransposedTraits {
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
-  static_assert(!kWideQ || kRows_ == 16, "a 16-bit q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
   // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A 16-bit q: 3, beside its
-  // six Q term tiles.
+  // Q term tiles (two slots of 48 rows at 16 rows, one of 96 at 32).
   static constexpr int kRing = kRows == 16 && !kWideQ ? 4 : 3;
-  static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
+  // Q tiles: the next piece's lands while this one's is used (a 16-bit q at 32 rows: one, 60 KiB)
+  static constexpr int kQSlots = kWideQ && kRows == 32 ? 1 : 2;
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
   // A whole producer warpgroup (one warp of it works) so that setmaxnreg can move its registers to the computing
@@ -62,11 +66,12 @@ struct TransposedTraits {
   static constexpr int kThreads = (kComputeWarpgroups + 1) * kWarpgroupThreads;
   // Registers a thread after setmaxnreg (multiples of 8). The split may use no more than the CTA got at launch
   // (168 a thread at 384 threads): setmaxnreg.inc takes registers from the CTA's own pool, which only the producer's
-  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A 16-bit q: the
-  // producer's conversion to e4m3 terms spilled at 24 (two terms), so 40, and the computing warpgroups give up 8.
+  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A 16-bit q at
+  // 16 rows: the producer's conversion to e4m3 terms 8 values a step spilled at 24, so 40, and the computing
+  // warpgroups give up 8; at 32 rows they need 240, and the conversion takes 4 values a step within 24.
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kWideQ ? 40 : 24;
-  static constexpr int kComputeRegisters = kWideQ ? 232 : 240;
+  static constexpr int kProducerRegisters = kWideQ && kRows == 16 ? 40 : 24;
+  static constexpr int kComputeRegisters = kWideQ && kRows == 16 ? 232 : 240;
   static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
                     (kComputeWarpgroups + 1) * kLaunchRegisters,
                 "the registers setmaxnreg hands out are those the CTA was launched with");
@@ -84,9 +89,9 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a 16-bit q's Q terms),
-  // in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = kWideQ ? 4 : 8;
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a 16-bit q's two Q slots at
+  // 16 rows), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = kWideQ && kRows == 16 ? 4 : 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
@@ -107,13 +112,16 @@ struct TransposedTraits {
 
   using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
                                                       cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
-  using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
-                                                   cute::Shape<cute::Int<kQRows>, cute::Int<kUnits * kUnitCols>>{}));
+  // (kSTileCols, 640, kSTiles): S tile j's rows are 16 j .. 16 j + 15 of the tile's query rows (a 16-bit q: term t
+  // at rows 16 t .. of it; an e4m3 q: one S tile of all kRows)
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+      cute::Shape<cute::Int<kSTileCols>, cute::Int<kUnits * kUnitCols>, cute::Int<kSTiles>>{}));
   using SmemLayoutPt = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Half>{},
                                                     cute::Shape<cute::Int<kRows>, cute::Int<kPageBlockSize>>{}));
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kQRows>, cute::_128>>()));
-  static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kQRows,
+      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kSTileCols>, cute::_128>>()));
+  static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kSTileCols,
                 "S^T in one WGMMA per K block (N = 48 for a 16-bit q: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe)");
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Half, Half, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_16>>()));
