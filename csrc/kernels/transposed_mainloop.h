@@ -274,7 +274,14 @@ struct TransposedMainloop {
       Tensor tSrQ = thr_s.partition_fragment_B(sQ);                                         // (MMA, 1, 20, S tiles)
       Tensor tSrK = thr_s.partition_fragment_A(sK);                                         // (MMA, 1, 20)
       Tensor tSrU = partition_fragment_C(mma_s, Shape<_64, Int<Traits::kSTileCols>>{});    // a unit's part
-      Tensor tSrS = make_fragment_like(partition_fragment_C(mma_s, Shape<_64, Int<kTileRows>>{}));
+      // the tile's scores: an e4m3 q's first unit writes them as its accumulator; a 16-bit q's terms are summed in
+      auto tSrS = [&] {
+        if constexpr (Traits::kQTerms == 1) {
+          return make_fragment_like(tSrU);
+        } else {
+          return make_tensor<float>(Int<kTileRows / 2>{});
+        }
+      }();
       if constexpr (Traits::kQTerms == 1) {
         // Two units in flight: unit u + 1's WGMMAs run while unit u's are waited for and unit u - 1's partial is
         // added (two partials in turn; H200: +2-3 % on the 32-row rows, same on the 16-row ones).
