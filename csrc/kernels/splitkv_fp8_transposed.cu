@@ -76,7 +76,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
     if (threadIdx.x % Traits::kWarpgroupThreads < 32) {
       Mainloop::produce(params, smem, range, kv_head);
-    } else if constexpr (kWideQ) {
+    } else if constexpr (kWideQ && !Traits::kConsumersQuantiseQ) {
       Mainloop::produce_q(params, smem, range, kv_head);
     }
     return;
@@ -93,14 +93,21 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
     const Piece piece = range.piece(seq);
     const int pages = piece.num_pages();
+    const int q_slot = q_count % Traits::kQSlots;
+    if (pages > 0) {
+      if constexpr (Traits::kConsumersQuantiseQ) {
+        // before O^T and the statistics are set (their registers free for the tile's loads)
+        Mainloop::quantise_q(params, smem, piece.seq, kv_head, q_slot);
+      } else {
+        Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
+        cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
+      }
+    }
     ColumnStats<Traits::kSlots> stats;
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
     if (pages > 0) {
-      const int q_slot = q_count % Traits::kQSlots;
-      Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
-      cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
@@ -117,7 +124,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
                        piece.begin + page * kPageBlockSize, tOrO, stats);
         Barrier::arrive(&smem.page_empty[buffer]);
       }
-      Barrier::arrive(&smem.q_empty[q_slot]);
+      if constexpr (!Traits::kConsumersQuantiseQ) Barrier::arrive(&smem.q_empty[q_slot]);
       ++q_count;
       stream_page += pages;
     }

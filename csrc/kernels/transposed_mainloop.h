@@ -169,10 +169,7 @@ struct TransposedMainloop {
       const Load v = *reinterpret_cast<const Load*>(q + token * p.q_token_stride + head * p.q_head_stride + col);
       memcpy(pairs, &v, sizeof(v));
     };
-    auto widen = [&](uint32_t pair) {    // two 16-bit values as float32
-      return bf16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair))
-                  : __half22float2(*reinterpret_cast<const __half2*>(&pair));
-    };
+    auto widen = [&](uint32_t pair) { return widen_pair(pair, bf16); };
     float amax = 0.f;
 #pragma unroll 1
     for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
@@ -210,26 +207,103 @@ struct TransposedMainloop {
         y[k].x *= scale;
         y[k].y *= scale;
       }
-      const int row = chunk / kStepsPerRow, col = chunk % kStepsPerRow * kStep;    // kStep bytes of a Q row
-      CUTE_UNROLL
-      for (int term = 0; term < Traits::kQTerms; ++term) {
-        uint32_t codes[kPairs];
-        CUTE_UNROLL
-        for (int k = 0; k < kPairs; ++k) {
-          codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
-          const float2 c = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
-          y[k] = make_float2((y[k].x - c.x) * Traits::kQLoScale, (y[k].y - c.y) * Traits::kQLoScale);
-        }
-        E4m3* dst = &sQ(16 * term + row % 16, col, row / 16);    // S tile row / 16, term t's rows 16 t ..
-        if constexpr (kStep == 8) {
-          *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0] | codes[1] << 16, codes[2] | codes[3] << 16);
-        } else {
-          *reinterpret_cast<uint32_t*>(dst) = codes[0] | codes[1] << 16;
-        }
-      }
+      store_terms(sQ, chunk / kStepsPerRow, chunk % kStepsPerRow * kStep, y);
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
     Barrier::arrive(&smem.q_full[slot]);
+  }
+
+  // A 16-bit Q tile quantised by the two computing warpgroups (Traits::kConsumersQuantiseQ: threads 0..255) at the
+  // start of its piece, as load_q_terms does it but with every thread's loads in flight at once and the values kept
+  // in registers for the second pass. The first named barrier also says that both warpgroups are done with the
+  // slot's previous tile (each waited for its last S^T WGMMAs before its epilogue); the second, after the fence,
+  // that the terms are in place for either warpgroup's WGMMAs.
+  __device__ __forceinline__ static void quantise_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head,
+                                                    int slot) {
+    using namespace cute;
+    constexpr int kThreads = Traits::kQThreads, kStepsPerRow = kHeadDimQK / 8;
+    constexpr int kLoads = (Traits::kRows * kStepsPerRow + kThreads - 1) / kThreads;    // 16-byte loads a thread
+    static_assert(Traits::kConsumersQuantiseQ && kThreads == Traits::kComputeWarpgroups * kWgThreads, "threads 0..255");
+    const uint16_t* q = static_cast<const uint16_t*>(p.q) + int64_t(seq) * p.q_batch_stride;    // 16-bit values
+    const bool bf16 = p.q_format == kQBf16;    // else fp16
+    // the thread index from a volatile read: else the compiler hoists each chunk's offsets and predicates (loop
+    // invariants) out of the piece loop, and ptxas spilled them across the pages (280 bytes)
+    uint32_t t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    const int chunks = p.rows_per_kv * kStepsPerRow;
+    uint4 raw[kLoads];    // (a thread's chunks t, t + 256, ...: 8 values each)
+    CUTE_UNROLL
+    for (int i = 0; i < kLoads; ++i) {
+      const int chunk = int(t) + i * kThreads, row = chunk / kStepsPerRow, col = chunk % kStepsPerRow * 8;
+      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
+      raw[i] = chunk < chunks ? *reinterpret_cast<const uint4*>(q + token * p.q_token_stride + head * p.q_head_stride + col)
+                              : make_uint4(0, 0, 0, 0);
+    }
+    float amax = 0.f;
+    CUTE_UNROLL
+    for (int i = 0; i < kLoads; ++i) {
+      const uint32_t pairs[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        const float2 f = widen_pair(pairs[k], bf16);
+        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
+      }
+    }
+    CUTE_UNROLL
+    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
+    if (t % 32 == 0) smem.q_amax[slot][t / 32] = amax;
+    named_sync(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten), kThreads);
+    CUTE_UNROLL
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, smem.q_amax[slot][w]);
+    const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
+    if (t == 0) smem.q_descale[slot] = descale;
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
+    CUTE_UNROLL
+    for (int i = 0; i < kLoads; ++i) {
+      const int chunk = int(t) + i * kThreads;
+      if (chunk < chunks) {
+        const uint32_t pairs[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        float2 y[4];
+        CUTE_UNROLL
+        for (int k = 0; k < 4; ++k) {
+          y[k] = widen_pair(pairs[k], bf16);
+          y[k].x *= scale;
+          y[k].y *= scale;
+        }
+        store_terms(sQ, chunk / kStepsPerRow, chunk % kStepsPerRow * 8, y);
+      }
+    }
+    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
+    named_sync(static_cast<uint32_t>(TransposedBarrier::kQTermsWritten), kThreads);
+  }
+
+  // Two 16-bit values (a bf16 or fp16 pair) as float32.
+  __device__ __forceinline__ static float2 widen_pair(uint32_t pair, bool bf16) {
+    return bf16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair))
+                : __half22float2(*reinterpret_cast<const __half2*>(&pair));
+  }
+
+  // Values y (scaled by 1 / d) of Q row `row`, columns col .. col + 2 kPairs - 1, as kQTerms e4m3 terms: term t at
+  // row 16 t + row % 16 of S tile row / 16 (SmemLayoutQ).
+  template <class TensorQ, int kPairs>
+  __device__ __forceinline__ static void store_terms(TensorQ& sQ, int row, int col, float2 (&y)[kPairs]) {
+    CUTE_UNROLL
+    for (int term = 0; term < Traits::kQTerms; ++term) {
+      uint32_t codes[kPairs];
+      CUTE_UNROLL
+      for (int k = 0; k < kPairs; ++k) {
+        codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
+        const float2 c = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
+        y[k] = make_float2((y[k].x - c.x) * Traits::kQLoScale, (y[k].y - c.y) * Traits::kQLoScale);
+      }
+      E4m3* dst = &sQ(16 * term + row % 16, col, row / 16);
+      if constexpr (kPairs == 4) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0] | codes[1] << 16, codes[2] | codes[3] << 16);
+      } else {
+        static_assert(kPairs == 2, "4 or 8 values a step");
+        *reinterpret_cast<uint32_t*>(dst) = codes[0] | codes[1] << 16;
+      }
+    }
   }
 
   // ====================================== a computing warpgroup =============================================

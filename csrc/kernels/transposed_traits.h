@@ -44,10 +44,15 @@ struct TransposedTraits {
   // beside O^T's 128 registers, and so did two tiles unit by unit: ptxas overlapped their parts).
   static constexpr int kSTileCols = kWideQ ? 16 * kQTerms : kRows;
   static constexpr int kSTiles = kQRows / kSTileCols;
-  // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
-  // warps 1-3 (a 16-bit q: the conversion, off warp 0's path)
-  static constexpr int kQThreads = kWideQ ? 96 : 32;
-  static_assert(kQThreads / 32 <= 4, "SharedStorage::q_amax holds 4 warps' maxima a slot");
+  // Who fills a Q slot. An e4m3 q: warp 0 of the producer warpgroup (cp.async beside its page copies). A 16-bit q
+  // with two slots (16 rows): warps 1-3 of it (the conversion off warp 0's path, the next piece's tile converted
+  // while this one's is read). With one slot (32 rows) the two computing warpgroups, at the start of each piece:
+  // the producer's warps, at 24 registers, had one load in flight a thread and took ~30 us a 32-row tile, in
+  // series with the piece (H200: 254 us on L=4096v h32 s1 against 160 us fixed), 256 threads with all their loads
+  // in flight a few.
+  static constexpr bool kConsumersQuantiseQ = kWideQ && kRows == 32;
+  static constexpr int kQThreads = !kWideQ ? 32 : kConsumersQuantiseQ ? 256 : 96;
+  static_assert(kQThreads / 32 <= 8, "SharedStorage::q_amax holds 8 warps' maxima a slot");
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
@@ -136,9 +141,9 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
-    // A 16-bit q: each converting warp's maximum of |q|, a row of 4 (16 bytes) a slot: the readers' vector load of a
+    // A 16-bit q: each converting warp's maximum of |q|, a row of 8 (32 bytes) a slot: the readers' vector loads of a
     // row must not reach a neighbour written meanwhile (q_descale beside one row was: racecheck, one slot)
-    alignas(16) float q_amax[kQSlots][4];
+    alignas(16) float q_amax[kQSlots][8];
     float q_descale[kQSlots];                       // a 16-bit q: the tile's descale (the producer's choice)
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
@@ -160,8 +165,9 @@ enum class TransposedBarrier : uint32_t {
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
   kQAmaxWritten = 9,       // a 16-bit q: the converting warps' maxima of |q| are in shared memory (kQThreads)
+  kQTermsWritten = 10,     // the computing warpgroups' Q terms are in shared memory (kConsumersQuantiseQ, 256)
 };
-static_assert(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten) < 16, "bar.sync ids are 0..15");
+static_assert(static_cast<uint32_t>(TransposedBarrier::kQTermsWritten) < 16, "bar.sync ids are 0..15");
 
 // The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
 __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup) {
