@@ -1,7 +1,8 @@
 // The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 32 packed query rows per KV head): the
 // kernel shell and its launcher. The parts:
 //   transposed_traits.h     tile, layouts, WGMMA shapes, shared memory, named barriers
-//   transposed_mainloop.h   the producer warp's copies and a computing warpgroup's page (schedule at its top)
+//   transposed_mainloop.h   the producer warp's copies, a 16-bit q's quantisation and a computing warpgroup's page
+//                           (schedule at its top)
 //   transposed_epilogue.h   the two warpgroups' merge and the writes
 //   tile_scheduler.h        which pieces a CTA owns (the same plan as the split-KV kernel)
 // Grid: (1, KV head, SM part), one CTA per SM; 384 threads = two computing warpgroups and a producer warpgroup
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  // Both Q slots zeroed once: a tile's rows past rows_per_kv are never copied, and S^T reads them.
+  // The Q slots zeroed once: a tile's rows past rows_per_kv are never written, and S^T reads them.
   for (int i = threadIdx.x; i < int(sizeof(smem.q)) / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(smem.q)[i] = make_uint4(0, 0, 0, 0);
   }
@@ -46,8 +47,8 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
       Barrier::init(&smem.page_full[b], 1);                                   // the producer's arrival + bytes
       Barrier::init(&smem.page_empty[b], Traits::kWarpgroupThreads);          // the consuming warpgroup
     }
-    for (int s = 0; s < Traits::kQSlots; ++s) {
-      Barrier::init(&smem.q_full[s], Traits::kQThreads);                      // the producer threads filling it
+    for (int s = 0; s < (kWideQ ? 0 : Traits::kQSlots); ++s) {    // (a 16-bit q: quantise_q's named barriers)
+      Barrier::init(&smem.q_full[s], Traits::kQThreads);                      // the producer warp filling it
       Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
     }
     for (uint64_t* merge : {&smem.stats_posted, &smem.exchange_posted, &smem.exchange_read}) {
@@ -74,11 +75,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   const int role = threadIdx.x / Traits::kWarpgroupThreads;
   if (role == static_cast<int>(TransposedRole::kProducer)) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x % Traits::kWarpgroupThreads < 32) {
-      Mainloop::produce(params, smem, range, kv_head);
-    } else if constexpr (kWideQ && !Traits::kConsumersQuantiseQ) {
-      Mainloop::produce_q(params, smem, range, kv_head);
-    }
+    if (threadIdx.x % Traits::kWarpgroupThreads < 32) Mainloop::produce(params, smem, range, kv_head);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kComputeRegisters>();
@@ -95,9 +92,9 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
     const int pages = piece.num_pages();
     const int q_slot = q_count % Traits::kQSlots;
     if (pages > 0) {
-      if constexpr (Traits::kConsumersQuantiseQ) {
+      if constexpr (kWideQ) {
         // before O^T and the statistics are set (their registers free for the tile's loads)
-        Mainloop::quantise_q(params, smem, piece.seq, kv_head, q_slot);
+        Mainloop::quantise_q(params, smem, piece.seq, kv_head);
       } else {
         Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
         cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
@@ -124,7 +121,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
                        piece.begin + page * kPageBlockSize, tOrO, stats);
         Barrier::arrive(&smem.page_empty[buffer]);
       }
-      if constexpr (!Traits::kConsumersQuantiseQ) Barrier::arrive(&smem.q_empty[q_slot]);
+      if constexpr (!kWideQ) Barrier::arrive(&smem.q_empty[q_slot]);
       ++q_count;
       stream_page += pages;
     }

@@ -1,28 +1,30 @@
-// Mainloop of the transposed FP8 kernel (transposed_traits.h): the producer warps' copies and a computing
+// Mainloop of the transposed FP8 kernel (transposed_traits.h): the producer warp's copies and a computing
 // warpgroup's pages. The schedule, per CTA (one per SM; the CTA's stream is the pages of its pieces in order):
 //
 //   producer warp 0                         warpgroup w (0, 1): stream pages n = w, w + 2, ...
 //   ---------------                         -------------------------------------------------
-//   per piece with pages:                   per piece:
-//     (an e4m3 q) wait q_empty[slot];    ->   wait q_full[slot]
-//       Q by cp.async, arrive q_full          per own page n of the piece:
-//     per page n:                               (odd ring) wait page_empty[n % ring] of page n - ring
-//       wait page_empty[n % ring]               wait page_full[n % ring]
-//       5 TMA boxes -> page_full                per S tile (one; a 16-bit q at 32 rows two, 16 columns each):
+//   per piece with pages:                   per piece with pages:
+//     (an e4m3 q) wait q_empty[slot];    ->   an e4m3 q: wait q_full[slot]
+//       Q by cp.async, arrive q_full          a 16-bit q: both warpgroups load the Q tile, |q| maxima met by
+//     per page n:                               bar.sync (kQAmaxWritten), 3 e4m3 terms stored (kQTermsWritten)
+//       wait page_empty[n % ring]             per own page n of the piece:
+//       5 TMA boxes -> page_full                (odd ring) wait page_empty[n % ring] of page n - ring
+//                                               wait page_full[n % ring]
+//                                               per S tile (one; a 16-bit q at 32 rows two, 16 columns each):
 //                                                 S^T = K Q^T      e4m3, a float32 step a unit (5), two units
-//   producer warps 1-3 (a 16-bit q)                                in flight; a 16-bit q's 3 terms as N = 48
-//   -----------------------------                                  (own columns), a unit at a time
-//   per piece with pages:                         mask (partial / causal pages), column maxima,
-//     wait q_empty[slot]; Q loaded and cut        vote: did a column pass its reference? (bar.red.or)
-//       into 3 e4m3 terms (the warps'             if so: the warps' maxima via shared memory, the tile's O^T
-//       |q| maxima met by bar.sync),              columns and sums rescaled to the new reference
-//       arrive q_full                             P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
+//                                                                  in flight; a 16-bit q's 3 terms as N = 48
+//                                                                  (own columns), a unit at a time
+//                                                 mask (partial / causal pages), column maxima,
+//                                                 vote: did a column pass its reference? (bar.red.or)
+//                                                 if so: the warps' maxima via shared memory, the tile's O^T
+//                                                 columns and sums rescaled to the new reference
+//                                                 P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
 //                                               O^T += V^T P^T     4 key blocks x 8 dim blocks, in batches
 //                                                                  of 8 (16 rows) or 4 (32) dim blocks, V^T
 //                                                                  widened into registers one batch ahead
 //                                                                  of the WGMMAs that read it
 //                                               arrive page_empty[n % ring] (its O^T WGMMAs complete)
-//                                             arrive q_empty[slot]
+//                                             an e4m3 q: arrive q_empty[slot]
 //                                             epilogue (both warpgroups: merge, normalise, write)
 //
 // The two warpgroups keep separate references, sums and O^T per piece (a split of the piece's keys, merged at its
@@ -90,7 +92,7 @@ struct TransposedMainloop {
       const Piece piece = range.piece(seq);
       const int pages = piece.num_pages();
       if (pages == 0) continue;
-      if constexpr (!Traits::kWideQ) load_q(p, smem, piece.seq, kv_head, q_count++);    // (else produce_q)
+      if constexpr (!Traits::kWideQ) load_q(p, smem, piece.seq, kv_head, q_count++);    // (else quantise_q)
       int block = 0;
 #pragma unroll 1
       for (int page = 0; page < pages; ++page, ++stream_page) {
@@ -111,29 +113,14 @@ struct TransposedMainloop {
     }
   }
 
-  // Warps 1-3 with a 16-bit q: the Q tile of each of the CTA's pieces with pages, cut into e4m3 terms (load_q), so
-  // that the conversion never holds up warp 0's page copies.
-  __device__ __forceinline__ static void produce_q(const DecodeParams& p, SharedStorage& smem, const PieceRange<>& range,
-                                                   int kv_head) {
-    int q_count = 0;
-#pragma unroll 1
-    for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
-      const Piece piece = range.piece(seq);
-      if (piece.num_pages() > 0) load_q(p, smem, piece.seq, kv_head, q_count++);
-    }
-  }
-
-  // Q tile number q_count (of the CTA's pieces with pages): the KV head's rows_per_kv packed rows of `seq` as bytes
-  // in SmemLayoutQ, by cp.async from warp 0's 32 lanes, completing on q_full. Rows past rows_per_kv stay zero (the
-  // kernel zeroes both slots once); columns 576..639 are never read. A 16-bit q: load_q_terms, by warps 1-3.
+  // Q tile number q_count (of the CTA's pieces with pages) of an e4m3 q: the KV head's rows_per_kv packed rows of
+  // `seq` as bytes in SmemLayoutQ, by cp.async from warp 0's 32 lanes, completing on q_full. Rows past rows_per_kv
+  // stay zero (the kernel zeroes the slots once); columns 576..639 are never read.
   __device__ __forceinline__ static void load_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head, int q_count) {
     using namespace cute;
+    static_assert(!Traits::kWideQ, "a 16-bit q: quantise_q");
     const int slot = q_count % kQSlots;
     if (q_count >= kQSlots) Barrier::wait(&smem.q_empty[slot], ((q_count / kQSlots) & 1) ^ 1);
-    if constexpr (Traits::kWideQ) {
-      load_q_terms(p, smem, seq, kv_head, slot);
-      return;
-    }
     Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
     const uint8_t* q = static_cast<const uint8_t*>(p.q) + int64_t(seq) * p.q_batch_stride;
 #pragma unroll 1
@@ -145,93 +132,34 @@ struct TransposedMainloop {
     cutlass::arch::cpasync_barrier_arrive_noinc(&smem.q_full[slot]);
   }
 
-  // A bf16 or fp16 Q tile as kQTerms e4m3 terms, by the kQThreads threads of warps 1-3: d = max(amax / 448, 2^-126)
-  // over the tile (the rows_per_kv rows; the warps' maxima meet in q_amax[slot] behind the named barrier
-  // kQAmaxWritten), then per value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ...
-  // (kQLoScale; round to nearest, saturating), term t of row r at row 16 t + r % 16 of S tile r / 16 (SmemLayoutQ),
-  // and d into q_descale[slot]. NaN stays NaN (fmaxf leaves it out of the maximum; x / d is NaN). Two passes over the
-  // tile's 16-byte chunks of 8 values (the second from L1). q_amax[slot] is written again only after q_empty[slot],
-  // which every consumer passes after q_full[slot], which needs every thread's arrival below, after its read.
-  __device__ __forceinline__ static void load_q_terms(const DecodeParams& p, SharedStorage& smem, int seq,
-                                                      int kv_head, int slot) {
-    using namespace cute;
-    const uint16_t* q = static_cast<const uint16_t*>(p.q) + int64_t(seq) * p.q_batch_stride;    // 16-bit values
-    const bool bf16 = p.q_format == kQBf16;    // else fp16
-    // values a thread takes at once: 8 (a 16-byte load), or 4 where the producer fits in 24 registers
-    constexpr int kStep = Traits::kProducerRegisters >= 40 ? 8 : 4, kPairs = kStep / 2;
-    constexpr int kStepsPerRow = kHeadDimQK / kStep;
-    using Load = std::conditional_t<kStep == 8, uint4, uint2>;
-    const int chunks = p.rows_per_kv * kStepsPerRow;
-    const int t = threadIdx.x % kWgThreads - 32;    // warps 1-3 of the producer warpgroup: t / 32 + 1
-    auto source = [&](int chunk, uint32_t (&pairs)[kPairs]) {
-      const int row = chunk / kStepsPerRow, col = chunk % kStepsPerRow * kStep;
-      const int token = row / p.heads_per_kv, head = kv_head * p.heads_per_kv + row % p.heads_per_kv;
-      const Load v = *reinterpret_cast<const Load*>(q + token * p.q_token_stride + head * p.q_head_stride + col);
-      memcpy(pairs, &v, sizeof(v));
-    };
-    auto widen = [&](uint32_t pair) { return widen_pair(pair, bf16); };
-    float amax = 0.f;
-#pragma unroll 1
-    for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
-      uint32_t pairs[kPairs];
-      source(chunk, pairs);
-      CUTE_UNROLL
-      for (int k = 0; k < kPairs; ++k) {
-        const float2 f = widen(pairs[k]);
-        amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
-      }
-    }
-    CUTE_UNROLL
-    for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (t % 32 == 0) {
-      // the warp read again from %tid.x (a volatile read): at 24 registers (a 16-bit q at 32 rows) ptxas spilled the
-      // warp's q_amax address kept from before the loop
-      uint32_t tid;
-      asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tid));
-      smem.q_amax[slot][tid % kWgThreads / 32 - 1] = amax;
-    }
-    named_sync(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten), Traits::kQThreads);
-    CUTE_UNROLL
-    for (int w = 0; w < Traits::kQThreads / 32; ++w) amax = fmaxf(amax, smem.q_amax[slot][w]);
-    const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
-    if (t == 0) smem.q_descale[slot] = descale;    // (read by the consumers after q_full)
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
-#pragma unroll 1
-    for (int chunk = t; chunk < chunks; chunk += Traits::kQThreads) {
-      uint32_t pairs[kPairs];
-      source(chunk, pairs);
-      float2 y[kPairs];
-      CUTE_UNROLL
-      for (int k = 0; k < kPairs; ++k) {
-        y[k] = widen(pairs[k]);
-        y[k].x *= scale;
-        y[k].y *= scale;
-      }
-      store_terms(sQ, chunk / kStepsPerRow, chunk % kStepsPerRow * kStep, y);
-    }
-    cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
-    Barrier::arrive(&smem.q_full[slot]);
-  }
+  // ====================================== the computing warpgroups ==========================================
 
-  // A 16-bit Q tile quantised by the two computing warpgroups (Traits::kConsumersQuantiseQ: threads 0..255) at the
-  // start of its piece, as load_q_terms does it but with every thread's loads in flight at once and the values kept
-  // in registers for the second pass. The first named barrier also says that both warpgroups are done with the
-  // slot's previous tile (each waited for its last S^T WGMMAs before its epilogue); the second, after the fence,
-  // that the terms are in place for either warpgroup's WGMMAs.
-  __device__ __forceinline__ static void quantise_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head,
-                                                    int slot) {
+  // A bf16 or fp16 Q tile as kQTerms e4m3 terms, by both computing warpgroups (threads 0..255) at the start of its
+  // piece: d = max(amax / 448, 2^-126) over the tile (its rows_per_kv rows; the warps' maxima meet in q_amax), then per
+  // value y = x / d = t0 + t1 / 16 + t2 / 256, t0 = e4m3(y), t1 = e4m3(16 (y - t0)), ... (kQLoScale; round to
+  // nearest, saturating), term t of row r at row 16 t + r % 16 of S tile r / 16 (SmemLayoutQ), and d into
+  // q_descale. NaN stays NaN (fmaxf leaves it out of the maximum; x / d is NaN). Every thread's loads are in flight
+  // at once, their values kept for the second pass. The first named barrier also says that both warpgroups are done
+  // with the slot's previous tile (each waited for its last S^T WGMMAs before its epilogue) and with q_amax and
+  // q_descale; the second, after the fence, that the terms are in place for either warpgroup's WGMMAs.
+  __device__ __forceinline__ static void quantise_q(const DecodeParams& p, SharedStorage& smem, int seq, int kv_head) {
     using namespace cute;
     constexpr int kThreads = Traits::kQThreads, kStepsPerRow = kHeadDimQK / 8;
     constexpr int kLoads = (Traits::kRows * kStepsPerRow + kThreads - 1) / kThreads;    // 16-byte loads a thread
-    static_assert(Traits::kConsumersQuantiseQ && kThreads == Traits::kComputeWarpgroups * kWgThreads, "threads 0..255");
+    static_assert(Traits::kWideQ && Traits::kQSlots == 1 && kThreads == Traits::kComputeWarpgroups * kWgThreads,
+                  "a 16-bit q's one slot, filled by threads 0..255");
     const uint16_t* q = static_cast<const uint16_t*>(p.q) + int64_t(seq) * p.q_batch_stride;    // 16-bit values
     const bool bf16 = p.q_format == kQBf16;    // else fp16
+    auto widen = [&](uint32_t pair) {    // two 16-bit values as float32
+      return bf16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair))
+                  : __half22float2(*reinterpret_cast<const __half2*>(&pair));
+    };
     // the thread index from a volatile read: else the compiler hoists each chunk's offsets and predicates (loop
-    // invariants) out of the piece loop, and ptxas spilled them across the pages (280 bytes)
+    // invariants) out of the piece loop, and ptxas spilled them across the pages (280 bytes at 32 rows)
     uint32_t t;
     asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
     const int chunks = p.rows_per_kv * kStepsPerRow;
-    uint4 raw[kLoads];    // (a thread's chunks t, t + 256, ...: 8 values each)
+    uint4 raw[kLoads];    // a thread's chunks t, t + 256, ... (8 values each)
     CUTE_UNROLL
     for (int i = 0; i < kLoads; ++i) {
       const int chunk = int(t) + i * kThreads, row = chunk / kStepsPerRow, col = chunk % kStepsPerRow * 8;
@@ -245,68 +173,47 @@ struct TransposedMainloop {
       const uint32_t pairs[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
       CUTE_UNROLL
       for (int k = 0; k < 4; ++k) {
-        const float2 f = widen_pair(pairs[k], bf16);
+        const float2 f = widen(pairs[k]);
         amax = fmaxf(amax, fmaxf(fabsf(f.x), fabsf(f.y)));
       }
     }
     CUTE_UNROLL
     for (int offset = 16; offset > 0; offset /= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, offset));
-    if (t % 32 == 0) smem.q_amax[slot][t / 32] = amax;
+    if (t % 32 == 0) smem.q_amax[t / 32] = amax;
     named_sync(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten), kThreads);
     CUTE_UNROLL
-    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, smem.q_amax[slot][w]);
+    for (int w = 0; w < kThreads / 32; ++w) amax = fmaxf(amax, smem.q_amax[w]);
     const float descale = fmaxf(amax / 448.f, 1.17549435e-38f), scale = 1.f / descale;
-    if (t == 0) smem.q_descale[slot] = descale;
-    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[slot])), typename Traits::SmemLayoutQ{});
+    if (t == 0) smem.q_descale = descale;
+    Tensor sQ = make_tensor(make_smem_ptr(reinterpret_cast<E4m3*>(smem.q[0])), typename Traits::SmemLayoutQ{});
     CUTE_UNROLL
     for (int i = 0; i < kLoads; ++i) {
-      const int chunk = int(t) + i * kThreads;
-      if (chunk < chunks) {
-        const uint32_t pairs[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-        float2 y[4];
+      const int chunk = int(t) + i * kThreads, row = chunk / kStepsPerRow, col = chunk % kStepsPerRow * 8;
+      if (chunk >= chunks) continue;
+      const uint32_t pairs[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+      float2 y[4];
+      CUTE_UNROLL
+      for (int k = 0; k < 4; ++k) {
+        y[k] = widen(pairs[k]);
+        y[k].x *= scale;
+        y[k].y *= scale;
+      }
+      CUTE_UNROLL
+      for (int term = 0; term < Traits::kQTerms; ++term) {
+        uint32_t codes[4];
         CUTE_UNROLL
         for (int k = 0; k < 4; ++k) {
-          y[k] = widen_pair(pairs[k], bf16);
-          y[k].x *= scale;
-          y[k].y *= scale;
+          codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
+          const float2 c = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
+          y[k] = make_float2((y[k].x - c.x) * Traits::kQLoScale, (y[k].y - c.y) * Traits::kQLoScale);
         }
-        store_terms(sQ, chunk / kStepsPerRow, chunk % kStepsPerRow * 8, y);
+        *reinterpret_cast<uint2*>(&sQ(16 * term + row % 16, col, row / 16)) =
+            make_uint2(codes[0] | codes[1] << 16, codes[2] | codes[3] << 16);
       }
     }
     cutlass::arch::fence_view_async_shared();    // generic-proxy writes before the WGMMAs (async proxy) read them
     named_sync(static_cast<uint32_t>(TransposedBarrier::kQTermsWritten), kThreads);
   }
-
-  // Two 16-bit values (a bf16 or fp16 pair) as float32.
-  __device__ __forceinline__ static float2 widen_pair(uint32_t pair, bool bf16) {
-    return bf16 ? __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&pair))
-                : __half22float2(*reinterpret_cast<const __half2*>(&pair));
-  }
-
-  // Values y (scaled by 1 / d) of Q row `row`, columns col .. col + 2 kPairs - 1, as kQTerms e4m3 terms: term t at
-  // row 16 t + row % 16 of S tile row / 16 (SmemLayoutQ).
-  template <class TensorQ, int kPairs>
-  __device__ __forceinline__ static void store_terms(TensorQ& sQ, int row, int col, float2 (&y)[kPairs]) {
-    CUTE_UNROLL
-    for (int term = 0; term < Traits::kQTerms; ++term) {
-      uint32_t codes[kPairs];
-      CUTE_UNROLL
-      for (int k = 0; k < kPairs; ++k) {
-        codes[k] = __nv_cvt_float2_to_fp8x2(y[k], __NV_SATFINITE, __NV_E4M3);
-        const float2 c = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(codes[k], __NV_E4M3)));
-        y[k] = make_float2((y[k].x - c.x) * Traits::kQLoScale, (y[k].y - c.y) * Traits::kQLoScale);
-      }
-      E4m3* dst = &sQ(16 * term + row % 16, col, row / 16);
-      if constexpr (kPairs == 4) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(codes[0] | codes[1] << 16, codes[2] | codes[3] << 16);
-      } else {
-        static_assert(kPairs == 2, "4 or 8 values a step");
-        *reinterpret_cast<uint32_t*>(dst) = codes[0] | codes[1] << 16;
-      }
-    }
-  }
-
-  // ====================================== a computing warpgroup =============================================
 
   // One page: S^T, softmax, O^T += V^T P^T. `key0`: the page's first key (token index); keys at or past `end`
   // (the piece's end), and with causal masking past each column's last visible key, do not count.
@@ -396,7 +303,7 @@ struct TransposedMainloop {
           }
         }
         // in q's units: the Q tile's descale, read here rather than held in a register across pages and pieces
-        const float descale = smem.q_descale[q_slot];
+        const float descale = smem.q_descale;
         CUTE_UNROLL
         for (int i = 0; i < size(tSrS); ++i) tSrS(i) *= descale;
       }
