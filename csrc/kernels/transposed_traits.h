@@ -57,9 +57,9 @@ struct TransposedTraits {
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
-  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A 16-bit q's Q slot holds its
-  // three terms (48 rows at 16 rows, 96 at 32).
-  static constexpr int kRing = kRows == 16 ? 4 : 3;
+  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16); so did a 16-bit q's at 16
+  // rows beside its Q tile of three terms (48 rows; 96 at 32): 1.629 vs 1.615, the 6 h16 s1 table rows, 4 rotations.
+  static constexpr int kRing = kRows == 16 && !kWideQ ? 4 : 3;
   // Q tiles: an e4m3 q's next piece lands while this one's is read; a 16-bit q's is made when its piece starts
   static constexpr int kQSlots = kWideQ ? 1 : 2;
   static constexpr int kWarpgroupThreads = 128;
@@ -90,9 +90,8 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a 16-bit q's Q tile and a
-  // ring of four at 16 rows), in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = kWideQ && kRows == 16 ? 4 : 8;
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
