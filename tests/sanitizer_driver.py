@@ -131,13 +131,14 @@ def small_cases(backend):
 
 def fp8_cases(backend, seqlens):
     """FP8 caches: e4m3 q (the transposed kernel at <= 32 rows, else S on e4m3 and V widened) and bf16 / fp16 q
-    (the transposed kernel with three e4m3 terms at <= 16 rows, else widened to fp16), one and several row tiles,
-    cut and whole."""
+    (the transposed kernel with three e4m3 terms at <= 32 rows, two S tiles above 16, else widened to fp16), one
+    and several row tiles, cut and whole."""
     for i, (q_dtype, s_q, h_q, num_sms) in enumerate([(torch.float8_e4m3fn, 1, 16, None), (torch.bfloat16, 2, 64, 1),
                                                       (torch.float8_e4m3fn, 2, 128, 3), (torch.float8_e4m3fn, 2, 8, 1),
                                                       (torch.float8_e4m3fn, 3, 4, 3), (torch.float8_e4m3fn, 2, 16, 1),
                                                       (torch.float8_e4m3fn, 3, 8, 3), (torch.bfloat16, 1, 16, 3),
-                                                      (torch.float16, 2, 8, 1)]):
+                                                      (torch.float16, 2, 8, 1), (torch.bfloat16, 2, 16, 3),
+                                                      (torch.float16, 3, 8, 1)]):
         name = f"{backend} fp8 cache, {str(q_dtype).split('.')[-1]} q, s_q={s_q} h_q={h_q} num_sms={num_sms}"
         yield case(name, seqlens, s_q, h_q, num_sms=num_sms, fp8_q=q_dtype, seed=30 + i)
 

@@ -94,9 +94,9 @@ def test_every_kernel_compiles_for_sm90a(compiled):
                          ids=["splitkv", "transposed", "combine"])
 def test_attention_kernels_do_not_spill(compiled, kernel):
     """Every instantiation: split-KV bf16, fp16, fp8 cache (16-bit q, e4m3 q) and sparse fp8 cache; the transposed
-    FP8 kernel (e4m3 q at 16 and 32 rows, a 16-bit q at 16: a split-KV kernel whose name does not contain
+    FP8 kernel (e4m3 q and a 16-bit q, each at 16 and 32 rows: a split-KV kernel whose name does not contain
     mla_splitkv_kernel); combine bf16 and fp16."""
-    expected = {"mla_splitkv_kernel": 5, "mla_splitkv_fp8_transposed_kernel": 3, "mla_combine_kernel": 2}[kernel]
+    expected = {"mla_splitkv_kernel": 5, "mla_splitkv_fp8_transposed_kernel": 4, "mla_combine_kernel": 2}[kernel]
     found = 0
     for _, proc in compiled:
         for name, regs, stores, loads in parse_ptxas(proc.stderr):
@@ -111,8 +111,9 @@ def test_attention_kernels_do_not_spill(compiled, kernel):
 def test_transposed_fp8_kernel_keeps_every_wgmma(compiled):
     """ptxas has left S^T WGMMAs out of the SASS while their PTX was there (14 of 18 with a conditional first
     assignment of the sum, 20 of 36 with one accumulator shared by two S tiles; 2026-11-29), silently: each
-    instantiation must issue S^T's 18 e4m3 WGMMAs a page (K steps of 32: 4 + 4 + 4 + 4 + 2 over the five units) and
-    O^T's 64 (4 key blocks x 8 dim blocks, in the partial-page and full-page forms)."""
+    instantiation must issue S^T's 18 e4m3 WGMMAs a page and S tile (K steps of 32: 4 + 4 + 4 + 4 + 2 over the five
+    units; a 16-bit q at 32 rows has two S tiles) and O^T's 64 (4 key blocks x 8 dim blocks, in the partial-page and
+    full-page forms)."""
     objects = [proc.args[proc.args.index("-o") + 1] for cu, proc in compiled if cu.name == "splitkv_fp8_transposed.cu"]
     assert len(objects) == 1 and Path(objects[0]).exists(), "splitkv_fp8_transposed.cu was not compiled"
     sass = subprocess.run([CUOBJDUMP, "-sass", objects[0]], capture_output=True, text=True)
@@ -127,9 +128,12 @@ def test_transposed_fp8_kernel_keeps_every_wgmma(compiled):
         elif current is not None and re.search(r"\bHGMMA\.64x\d+x16\.F32\b", line):    # not ptxas's F16 dummy
             current["O"] += 1
     transposed = {name: c for name, c in counts.items() if "mla_splitkv_fp8_transposed_kernel" in name}
-    assert len(transposed) == 3, f"expected 3 transposed kernel instantiations, found {sorted(counts)}"
+    assert len(transposed) == 4, f"expected 4 transposed kernel instantiations, found {sorted(counts)}"
     for name, c in transposed.items():
-        assert c == {"S": 18, "O": 64}, f"{name}: {c['S']} S^T and {c['O']} O^T WGMMAs, expected 18 and 64"
+        rows, wide_q = (int(x) for x in re.search(r"ILi(\d+)ELb([01])E", name).groups())    # <kRows, kWideQ>
+        s_tiles = 2 if wide_q and rows == 32 else 1
+        assert c == {"S": 18 * s_tiles, "O": 64}, (f"{name}: {c['S']} S^T and {c['O']} O^T WGMMAs, expected "
+                                                   f"{18 * s_tiles} and 64")
 
 
 @pytest.mark.parametrize("program", sorted((ROOT / "benchmarks").glob("*.cu")), ids=lambda p: p.name)

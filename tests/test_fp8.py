@@ -776,14 +776,14 @@ _TRANSPOSED_SHAPES = [(1, 16, 1, False), (2, 8, 1, True), (4, 8, 2, True), (1, 8
                           for shape in _TRANSPOSED_SHAPES] +
                          [pytest.param(*shape, q_dtype, id=f"{name}-" + "{}-{}-{}-{}".format(*shape))
                           for q_dtype, name in ((BF16, "bf16-q"), (FP16, "fp16-q"))
-                          for shape in _TRANSPOSED_SHAPES if shape[0] * shape[1] // shape[2] <= 16])
+                          for shape in _TRANSPOSED_SHAPES])
 def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
-    """At most 32 packed query rows per KV head with an fp8 q, 16 with a bf16 or fp16 q (its Q tiles cut into three
-    e4m3 terms): the transposed kernel (csrc/kernels/transposed_*.h; its 16-row tile at 16, 12, 4 and 1 rows, its 32-row
-    tile at 32, 24 and 20, causal across s_q tokens, two KV heads). One SM part walks every piece (the producer's
-    ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0 rows merge nothing), 7 and
-    132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from NaN-poisoned memory, an
-    attention sink."""
+    """At most 32 packed query rows per KV head with an fp8, bf16 or fp16 q (a 16-bit q's Q tiles cut into three
+    e4m3 terms, in two S tiles above 16 rows): the transposed kernel (csrc/kernels/transposed_*.h; its 16-row tile at
+    16, 12, 4 and 1 rows, its 32-row tile at 32, 24 and 20, causal across s_q tokens, two KV heads). One SM part walks
+    every piece (the producer's ring and Q slots wrap, the two warpgroups' page parity changes across pieces, L = 0
+    rows merge nothing), 7 and 132 cut sequences into split pieces; NaN / +-448 codes past every end, outputs from
+    NaN-poisoned memory, an attention sink."""
     cuda_fp8_or_skip()
     lengths = [0, 1, 2, 63, 64, 65, 127, 128, 129, 191, 640, 1000, 2049, 0]
     descales = (0.01, 37.0) if q_dtype == FP8 else (None, 1.0)

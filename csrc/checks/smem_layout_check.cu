@@ -121,12 +121,20 @@ int check_transposed() {
         if (have != want && errors++ < 5) printf("P^T (%d, %d) at %d, not %d\n", row, 8 * kc + e, have, want);
       }
   // A 16-bit q's producer stores 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
-  for (int row = 0; row < T::kQRows; ++row)
-    for (int col = 0; col < flash_mla::kHeadDimQK; col += 8)
-      for (int e = 0; e < 8; ++e) {
-        const int have = bytes(typename T::SmemLayoutQ{}, row, col + e, 1), want = bytes(typename T::SmemLayoutQ{}, row, col, 1) + e;
-        if ((have != want || want % 8 != 0 && e == 0) && errors++ < 5) printf("Q (%d, %d) at %d, not %d\n", row, col + e, have, want);
-      }
+  // S tile j is a (kSTileCols, 640) tile of its own, kSTileCols x 640 bytes after tile j - 1.
+  auto q_bytes = [](int row, int col, int tile) {
+    typename T::SmemLayoutQ layout;
+    return int(layout.layout_a()(int(layout.layout_b()(row, col, tile))));
+  };
+  for (int tile = 0; tile < T::kSTiles; ++tile)
+    for (int row = 0; row < T::kSTileCols; ++row)
+      for (int col = 0; col < flash_mla::kHeadDimQK; col += 8)
+        for (int e = 0; e < 8; ++e) {
+          const int have = q_bytes(row, col + e, tile), want = q_bytes(row, col, tile) + e;
+          const int base = q_bytes(row, col, 0) + tile * T::kSTileCols * T::kUnits * T::kUnitCols;
+          if ((have != want || e == 0 && (want % 8 != 0 || want != base)) && errors++ < 5)
+            printf("Q (%d, %d, tile %d) at %d, not %d\n", row, col + e, tile, have, want);
+        }
   auto check_c = [&](auto tv, int cols, const char* what) {
     if (int(size<1>(tv)) != cols / 2) errors++, printf("%s: %d values a thread\n", what, int(size<1>(tv)));
     for (int t = 0; t < 128; ++t)
@@ -135,8 +143,8 @@ int check_transposed() {
         if (int(tv(t, i)) != row + 64 * col && errors++ < 5) printf("%s value %d of thread %d\n", what, i, t);
       }
   };
-  // S^T over every Q term (value i + kRows t / 2 is term t's value i: column + kRows t)
-  check_c(typename T::TiledMmaS{}.get_layoutC_TV(), T::kQRows, "S^T");
+  // S^T over an S tile (a 16-bit q: value i + 8 t is term t's value i, column + 16 t)
+  check_c(typename T::TiledMmaS{}.get_layoutC_TV(), T::kSTileCols, "S^T");
   check_c(typename T::TiledMmaO{}.get_layoutC_TV(), kRows, "O^T");
   auto a_tv = typename T::TiledMmaO{}.get_layoutA_TV();
   if (int(size<1>(a_tv)) != 8) errors++, printf("O^T's A: %d values a thread\n", int(size<1>(a_tv)));
@@ -154,7 +162,8 @@ int check_transposed() {
 int main() {
   const int errors = check<cutlass::bfloat16_t>() + check<cutlass::half_t>() +
                      check<cutlass::half_t, cutlass::float_e4m3_t>() + check_e4m3_scores() + check_transposed<16>() +
-                     check_transposed<32>() + check_transposed<16, true>();
+                     check_transposed<32>() + check_transposed<16, true>() +
+                     check_transposed<32, true>();
   printf(errors ? "FAILED\n" : "OK\n");
   return errors ? 1 : 0;
 }

@@ -20,7 +20,7 @@ constexpr int kMetadataWidth = 8;     // int32 words per SM part
 constexpr int kTransposedMaxRows = 32;
 // A bf16 or fp16 q with an e4m3 cache goes there too at up to this many rows, its Q tiles quantised to three e4m3
 // terms (transposed_traits.h); more rows to the whole-page widening kernel.
-constexpr int kTransposedWideQMaxRows = 16;
+constexpr int kTransposedWideQMaxRows = 32;
 
 // Byte layout of a token of the sparse FP8 cache (DeepSeek-V3.2, flash_mla/sparse_fp8.py): 512 e4m3 latent values,
 // 4 float32 group scales, 64 bf16 RoPE values.

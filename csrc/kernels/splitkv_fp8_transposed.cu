@@ -1,7 +1,8 @@
 // The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 32 packed query rows per KV head): the
 // kernel shell and its launcher. The parts:
 //   transposed_traits.h     tile, layouts, WGMMA shapes, shared memory, named barriers
-//   transposed_mainloop.h   the producer warp's copies and a computing warpgroup's page (schedule at its top)
+//   transposed_mainloop.h   the producer warp's copies, a 16-bit q's quantisation and a computing warpgroup's page
+//                           (schedule at its top)
 //   transposed_epilogue.h   the two warpgroups' merge and the writes
 //   tile_scheduler.h        which pieces a CTA owns (the same plan as the split-KV kernel)
 // Grid: (1, KV head, SM part), one CTA per SM; 384 threads = two computing warpgroups and a producer warpgroup
@@ -37,7 +38,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   extern __shared__ __align__(1024) char smem_raw[];
   auto& smem = *reinterpret_cast<typename Traits::SharedStorage*>(smem_raw);
 
-  // Both Q slots zeroed once: a tile's rows past rows_per_kv are never copied, and S^T reads them.
+  // The Q slots zeroed once: a tile's rows past rows_per_kv are never written, and S^T reads them.
   for (int i = threadIdx.x; i < int(sizeof(smem.q)) / 16; i += blockDim.x) {
     reinterpret_cast<uint4*>(smem.q)[i] = make_uint4(0, 0, 0, 0);
   }
@@ -46,8 +47,8 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
       Barrier::init(&smem.page_full[b], 1);                                   // the producer's arrival + bytes
       Barrier::init(&smem.page_empty[b], Traits::kWarpgroupThreads);          // the consuming warpgroup
     }
-    for (int s = 0; s < Traits::kQSlots; ++s) {
-      Barrier::init(&smem.q_full[s], Traits::kQThreads);                      // the producer threads filling it
+    for (int s = 0; s < (kWideQ ? 0 : Traits::kQSlots); ++s) {    // (a 16-bit q: quantise_q's named barriers)
+      Barrier::init(&smem.q_full[s], Traits::kQThreads);                      // the producer warp filling it
       Barrier::init(&smem.q_empty[s], Traits::kComputeWarpgroups * Traits::kWarpgroupThreads);
     }
     for (uint64_t* merge : {&smem.stats_posted, &smem.exchange_posted, &smem.exchange_read}) {
@@ -74,11 +75,7 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   const int role = threadIdx.x / Traits::kWarpgroupThreads;
   if (role == static_cast<int>(TransposedRole::kProducer)) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegisters>();
-    if (threadIdx.x % Traits::kWarpgroupThreads < 32) {
-      Mainloop::produce(params, smem, range, kv_head);
-    } else if constexpr (kWideQ) {
-      Mainloop::produce_q(params, smem, range, kv_head);
-    }
+    if (threadIdx.x % Traits::kWarpgroupThreads < 32) Mainloop::produce(params, smem, range, kv_head);
     return;
   }
   cutlass::arch::warpgroup_reg_alloc<Traits::kComputeRegisters>();
@@ -93,16 +90,21 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   for (int seq = range.first_seq(); seq <= range.last_seq(); ++seq) {
     const Piece piece = range.piece(seq);
     const int pages = piece.num_pages();
+    const int q_slot = q_count % Traits::kQSlots;
+    if (pages > 0) {
+      if constexpr (kWideQ) {
+        // before O^T and the statistics are set (their registers free for the tile's loads)
+        Mainloop::quantise_q(params, smem, piece.seq, kv_head);
+      } else {
+        Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
+        cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
+      }
+    }
     ColumnStats<Traits::kSlots> stats;
     CUTE_UNROLL
     for (int c = 0; c < Traits::kSlots; ++c) stats.ref[c] = -INFINITY, stats.sum[c] = 0.f;
     clear(tOrO);
-    SplitKvScales piece_scales = scales;    // a 16-bit q: the Q tile's own descale in the score scale
     if (pages > 0) {
-      const int q_slot = q_count % Traits::kQSlots;
-      Barrier::wait(&smem.q_full[q_slot], (q_count / Traits::kQSlots) & 1);
-      cutlass::arch::fence_view_async_shared();    // cp.async's writes (generic proxy) before the WGMMAs read them
-      if constexpr (kWideQ) piece_scales.score_log2 *= smem.q_descale[q_slot];
 #pragma unroll 1
       for (int page = (stream_page + warpgroup) % 2; page < pages; page += 2) {
         const int n = stream_page + page, buffer = n % Traits::kRing;
@@ -115,15 +117,15 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
           if (n >= Traits::kRing) Barrier::wait(&smem.page_empty[buffer], ((n / Traits::kRing) & 1) ^ 1);
         }
         Barrier::wait(&smem.page_full[buffer], (n / Traits::kRing) & 1);
-        Mainloop::page(params, piece_scales, smem, warpgroup, buffer, q_slot, piece,
+        Mainloop::page(params, scales, smem, warpgroup, buffer, q_slot, piece,
                        piece.begin + page * kPageBlockSize, tOrO, stats);
         Barrier::arrive(&smem.page_empty[buffer]);
       }
-      Barrier::arrive(&smem.q_empty[q_slot]);
+      if constexpr (!kWideQ) Barrier::arrive(&smem.q_empty[q_slot]);
       ++q_count;
       stream_page += pages;
     }
-    Epilogue::write(params, piece_scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
+    Epilogue::write(params, scales, smem, piece, kv_head, warpgroup, tOrO, stats, merges);
   }
 }
 
@@ -144,7 +146,11 @@ void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void*
   encode_kv_cache_tma(params, CacheDtype::kE4m3);
   params.out_by_tma = false;
   if (params.q_format != kQFp8) {    // the binding sends a 16-bit q here at <= kTransposedWideQMaxRows rows only
-    launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
+    if (params.rows_per_kv <= 16) {
+      launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
+    } else {
+      launch_transposed<32, true>(params, static_cast<cudaStream_t>(stream));
+    }
   } else if (params.rows_per_kv <= 16) {
     launch_transposed<16>(params, static_cast<cudaStream_t>(stream));
   } else {

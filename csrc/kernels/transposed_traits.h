@@ -30,31 +30,38 @@ struct TransposedTraits {
   using Half = cutlass::half_t;
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
-  // A 16-bit q (kWideQ: bf16 or fp16): producer warps 1-3 quantise each Q tile to three e4m3 terms with one descale
-  // per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))), stacked as the rows of
-  // one B operand (N = 48), so that S^T reads each K block once for all three and each term's sum is a column block
-  // of its own.
-  // Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against tests/test_fp8.py's 1e-3);
-  // three pass the e4m3 q's tolerances. 16 rows only: there the added S^T work hides under the copies, and the
-  // three Q tiles of each of two slots fit beside a ring of three pages.
+  // A 16-bit q (kWideQ: bf16 or fp16): the computing warpgroups quantise each Q tile to three e4m3 terms with one
+  // descale per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))); the three terms of 16 query
+  // rows are the rows of one B operand (N = 48), so that S^T reads each K block once for all three and each term's
+  // sum is a column block of its own. Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against
+  // tests/test_fp8.py's 1e-3); three pass the e4m3 q's tolerances.
   static constexpr bool kWideQ = kWideQ_;
   static constexpr int kQTerms = kWideQ ? 3 : 1;
-  static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile: N of S^T
-  // Threads that fill a Q slot: warp 0 of the producer warpgroup (an e4m3 q, cp.async beside its page copies) or
-  // warps 1-3 (a 16-bit q: the conversion, off warp 0's path)
-  static constexpr int kQThreads = kWideQ ? 96 : 32;
-  static_assert(kQThreads / 32 <= 4, "SharedStorage::q_amax holds 4 warps' maxima a slot");
+  static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile
+  // S^T's WGMMAs take kSTileCols rows of the Q tile as their N: an e4m3 q the whole tile, a 16-bit q 16 query rows'
+  // three terms. So a 16-bit q at 32 rows has two S tiles, taken one after the other through S^T, the softmax and
+  // P^T (tile-major), so that one tile's 24-value part and 8 scores are live at a time (one N = 96 part spilled
+  // beside O^T's 128 registers, and so did two tiles unit by unit: ptxas overlapped their parts).
+  static constexpr int kSTileCols = kWideQ ? 16 * kQTerms : kRows;
+  static constexpr int kSTiles = kQRows / kSTileCols;
+  // Who fills a Q slot: an e4m3 q, warp 0 of the producer warpgroup (cp.async beside its page copies, into the slot
+  // the piece after next will use); a 16-bit q, the two computing warpgroups at the start of each piece, in one slot
+  // (mainloop quantise_q). Producer warps did it first, off the computing path, but at 24 registers a thread held
+  // one load in flight and a 32-row tile took ~30 us in series with its piece (H200: 254 us on L=4096v h32 s1 against
+  // 160 us fixed; with the computing warpgroups 172 and 135).
+  static constexpr int kQThreads = kWideQ ? 256 : 32;
+  static_assert(kQThreads / 32 <= 8, "SharedStorage::q_amax holds 8 warps' maxima");
   // The rest after a term is at most half an e4m3 step of it, 16 where |q / d| nears 448, so 16 times it stays
   // within e4m3's range (256 <= 448) and small values keep 4 more bits above e4m3's subnormals.
   static constexpr float kQLoScale = 16.f;
-  static_assert(!kWideQ || kRows_ == 16, "a 16-bit q at 16 rows");
   static_assert(kRows == 16 || kRows == 32, "O^T is 4 kRows registers a thread");
   // Page buffers (H200, the 16-row pipeline modelled before this kernel: 4 pages 4.51 TB/s, 3 4.43, 2 3.49). At 32
   // rows 3 (with a 16 KiB hand-over area) ran 3 % faster than 4 (an 8 KiB one, four rounds; H200, same process,
-  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16). A 16-bit q: 3, beside its
-  // six Q term tiles.
+  // 13 rows of h_q x s_q 16 and 32, 4 rotations: 1.537 vs 1.492 of the anchors' bf16); so did a 16-bit q's at 16
+  // rows beside its Q tile of three terms (48 rows; 96 at 32): 1.629 vs 1.615, the 6 h16 s1 table rows, 4 rotations.
   static constexpr int kRing = kRows == 16 && !kWideQ ? 4 : 3;
-  static constexpr int kQSlots = 2;                    // Q tiles: the next piece's lands while this one's is used
+  // Q tiles: an e4m3 q's next piece lands while this one's is read; a 16-bit q's is made when its piece starts
+  static constexpr int kQSlots = kWideQ ? 1 : 2;
   static constexpr int kWarpgroupThreads = 128;
   static constexpr int kComputeWarpgroups = 2;
   // A whole producer warpgroup (one warp of it works) so that setmaxnreg can move its registers to the computing
@@ -62,11 +69,10 @@ struct TransposedTraits {
   static constexpr int kThreads = (kComputeWarpgroups + 1) * kWarpgroupThreads;
   // Registers a thread after setmaxnreg (multiples of 8). The split may use no more than the CTA got at launch
   // (168 a thread at 384 threads): setmaxnreg.inc takes registers from the CTA's own pool, which only the producer's
-  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call). A 16-bit q: the
-  // producer's conversion to e4m3 terms spilled at 24 (two terms), so 40, and the computing warpgroups give up 8.
+  // setmaxnreg.dec fills, and waits forever for any it cannot get (32 / 240 / 240 hung every call).
   static constexpr int kLaunchRegisters = 64 * 1024 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kWideQ ? 40 : 24;
-  static constexpr int kComputeRegisters = kWideQ ? 232 : 240;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kComputeRegisters = 240;
   static_assert(kComputeWarpgroups * kComputeRegisters + kProducerRegisters <=
                     (kComputeWarpgroups + 1) * kLaunchRegisters,
                 "the registers setmaxnreg hands out are those the CTA was launched with");
@@ -84,9 +90,8 @@ struct TransposedTraits {
   static constexpr int kDimBlocks = kHeadDimV / 64;               // M blocks of O^T
   static constexpr int kKeyBlocks = kPageBlockSize / 16;          // K blocks of O^T
   static constexpr int kExchangeBlocks = kDimBlocks / kComputeWarpgroups;    // dim blocks a warpgroup hands over
-  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread; 8 KiB, 4, beside a 16-bit q's Q terms),
-  // in rounds of kRoundBlocks dim blocks.
-  static constexpr int kExchangeFloat4s = kWideQ ? 4 : 8;
+  // The hand-over goes through 16 KiB a warpgroup (8 float4 a thread), in rounds of kRoundBlocks dim blocks.
+  static constexpr int kExchangeFloat4s = 8;
   static constexpr int kRoundBlocks = kExchangeFloat4s * 4 / kValues;
   static constexpr int kExchangeRounds = kExchangeBlocks / kRoundBlocks;
   // O^T's WGMMAs go in batches of kBatchBlocks dim blocks (one key block), their V^T fragments loaded one batch
@@ -107,13 +112,16 @@ struct TransposedTraits {
 
   using SmemLayoutPage = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
                                                       cute::Shape<cute::Int<kPageBlockSize>, cute::Int<kUnits * kUnitCols>>{}));
-  using SmemLayoutQ = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
-                                                   cute::Shape<cute::Int<kQRows>, cute::Int<kUnits * kUnitCols>>{}));
+  // (kSTileCols, 640, kSTiles): S tile j's rows are 16 j .. 16 j + 15 of the tile's query rows (a 16-bit q: term t
+  // at rows 16 t .. of it; an e4m3 q: one S tile of all kRows)
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_K_SW128_Atom<E4m3>{},
+      cute::Shape<cute::Int<kSTileCols>, cute::Int<kUnits * kUnitCols>, cute::Int<kSTiles>>{}));
   using SmemLayoutPt = decltype(cute::tile_to_shape(cute::GMMA::Layout_K_SW128_Atom<Half>{},
                                                     cute::Shape<cute::Int<kRows>, cute::Int<kPageBlockSize>>{}));
   using TiledMmaS = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kQRows>, cute::_128>>()));
-  static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kQRows,
+      cute::GMMA::ss_op_selector<E4m3, E4m3, float, cute::Shape<cute::_64, cute::Int<kSTileCols>, cute::_128>>()));
+  static_assert(cute::size<1>(typename TiledMmaS::AtomShape_MNK{}) == kSTileCols,
                 "S^T in one WGMMA per K block (N = 48 for a 16-bit q: CUTE_SM90_EXTENDED_MMA_SHAPES_ENABLED before CuTe)");
   using TiledMmaO = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Half, Half, float, cute::Shape<cute::_64, cute::Int<kRows>, cute::_16>>()));
@@ -128,10 +136,9 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
-    // A 16-bit q: each converting warp's maximum of |q|, a row of 4 (16 bytes) a slot: the readers' vector load of a
-    // row must not reach a neighbour written meanwhile (q_descale beside one row was: racecheck, one slot)
-    alignas(16) float q_amax[kQSlots][4];
-    float q_descale[kQSlots];                       // a 16-bit q: the tile's descale (the producer's choice)
+    // A 16-bit q: each computing warp's maximum of |q|, then the tile's descale
+    alignas(16) float q_amax[8];
+    float q_descale;
     alignas(8) uint64_t page_full[kRing];
     alignas(8) uint64_t page_empty[kRing];
     alignas(8) uint64_t q_full[kQSlots];
@@ -151,9 +158,10 @@ enum class TransposedBarrier : uint32_t {
   kReferenceVote = 3,      // + warpgroup: bar.red.or over "some column's maximum passed its reference"
   kColMaxWritten = 5,      // + warpgroup: the warps' column maxima are in shared memory
   kColMaxRead = 7,         // + warpgroup: every warp read them (they may be written again)
-  kQAmaxWritten = 9,       // a 16-bit q: the converting warps' maxima of |q| are in shared memory (kQThreads)
+  kQAmaxWritten = 9,       // a 16-bit q: the computing warps' maxima of |q| are in shared memory (256 threads)
+  kQTermsWritten = 10,     // a 16-bit q: the Q tile's terms are in shared memory (256 threads)
 };
-static_assert(static_cast<uint32_t>(TransposedBarrier::kQAmaxWritten) < 16, "bar.sync ids are 0..15");
+static_assert(static_cast<uint32_t>(TransposedBarrier::kQTermsWritten) < 16, "bar.sync ids are 0..15");
 
 // The hardware id of `barrier` (+ the warpgroup for the per-warpgroup ones).
 __device__ __forceinline__ constexpr uint32_t barrier_id(TransposedBarrier barrier, int warpgroup) {
