@@ -39,6 +39,8 @@ def kinds_for(args):
     """Class names in sxs.py of the implementations the row can run, by name."""
     if args.sparse and args.fp8:
         raise SystemExit("--sparse and --fp8: the sparse cache is FP8 already; give one of them")
+    if args.sparse and args.varied:
+        raise SystemExit("--sparse and --varied: --varied picks a dense table row's lengths; a sparse row has topk")
     kinds = SPARSE_KINDS if args.sparse else FP8_KINDS if args.fp8 else DENSE_KINDS
     unknown = [name for name in args.impls.split(",") if name not in kinds]
     if unknown:

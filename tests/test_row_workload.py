@@ -88,6 +88,7 @@ def test_sparse_row(anchors):
     (["--sparse", "--impls", "flash_mla,v1"], "v1 not known"),
     (["--impls", "flash_mla,upstream"], "upstream not known"),
     (["--sparse", "--fp8"], "--sparse and --fp8"),
+    (["--sparse", "--varied"], "--sparse and --varied"),
 ])
 def test_refused_rows(anchors, argv, words):
     with pytest.raises(SystemExit, match=words):
