@@ -229,8 +229,7 @@ std::vector<at::Tensor> mla_decode(const at::Tensor& q, const at::Tensor& k_cach
   p.seqlens = seqlens_c.data_ptr<int32_t>();
 
   void* stream = at::cuda::getCurrentCUDAStream().stream();
-  if ((fp8_cache && fp8_q && p.rows_per_kv <= kTransposedMaxRows) ||
-      (fp8_cache && p.rows_per_kv <= kTransposedWideQMaxRows)) {
+  if (fp8_cache && p.rows_per_kv <= kTransposedMaxRows) {
     launch_mla_splitkv_fp8_transposed(p, stream);
   } else if (fp8_cache && fp8_q) {
     launch_mla_splitkv_fp8_e4m3_scores(p, stream);

@@ -15,12 +15,10 @@ constexpr int kPageBlockSize = 64;    // tokens per KV-cache page
 constexpr int kRowsPerTile = 64;      // query rows per CTA (WGMMA M)
 constexpr int kFixedOverhead = 5;     // scheduler cost of one sequence piece, in pages
 constexpr int kMetadataWidth = 8;     // int32 words per SM part
-// An e4m3 cache with an e4m3 q and at most this many packed query rows per KV head goes to the transposed FP8
-// kernel (query rows as WGMMA's N: transposed_traits.h), more rows to the split-KV kernel's e4m3-scores form.
+// An e4m3 cache with at most this many packed query rows per KV head goes to the transposed FP8 kernel (query rows
+// as WGMMA's N: transposed_traits.h), with an e4m3 q or a bf16 / fp16 one (its Q tiles quantised to three e4m3
+// terms); more rows to the split-KV kernel's e4m3-scores form (an e4m3 q) or whole-page widening form (16-bit q).
 constexpr int kTransposedMaxRows = 32;
-// A bf16 or fp16 q with an e4m3 cache goes there too at up to this many rows, its Q tiles quantised to three e4m3
-// terms (transposed_traits.h); more rows to the whole-page widening kernel.
-constexpr int kTransposedWideQMaxRows = 32;
 
 // Byte layout of a token of the sparse FP8 cache (DeepSeek-V3.2, flash_mla/sparse_fp8.py): 512 e4m3 latent values,
 // 4 float32 group scales, 64 bf16 RoPE values.

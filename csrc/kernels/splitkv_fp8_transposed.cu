@@ -1,5 +1,5 @@
-// The transposed FP8 split-KV kernel (an e4m3 cache and an e4m3 q, at most 32 packed query rows per KV head): the
-// kernel shell and its launcher. The parts:
+// The transposed FP8 split-KV kernel (an e4m3 cache, an e4m3 or a 16-bit q, at most 32 packed query rows per KV
+// head): the kernel shell and its launcher. The parts:
 //   transposed_traits.h     tile, layouts, WGMMA shapes, shared memory, named barriers
 //   transposed_mainloop.h   the producer warp's copies, a 16-bit q's quantisation and a computing warpgroup's page
 //                           (schedule at its top)
@@ -145,7 +145,7 @@ void launch_mla_splitkv_fp8_transposed(const DecodeParams& binding_params, void*
   DecodeParams params = binding_params;
   encode_kv_cache_tma(params, CacheDtype::kE4m3);
   params.out_by_tma = false;
-  if (params.q_format != kQFp8) {    // the binding sends a 16-bit q here at <= kTransposedWideQMaxRows rows only
+  if (params.q_format != kQFp8) {    // a bf16 or fp16 q: its Q tiles as three e4m3 terms
     if (params.rows_per_kv <= 16) {
       launch_transposed<16, true>(params, static_cast<cudaStream_t>(stream));
     } else {

@@ -31,10 +31,10 @@ struct TransposedTraits {
 
   static constexpr int kRows = kRows_;                 // query rows of a tile: N of both GEMMs
   // A 16-bit q (kWideQ: bf16 or fp16): the computing warpgroups quantise each Q tile to three e4m3 terms with one
-  // descale per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))); the three terms of 16 query
-  // rows are the rows of one B operand (N = 48), so that S^T reads each K block once for all three and each term's
-  // sum is a column block of its own. Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error 1.2-2.6e-3, against
-  // tests/test_fp8.py's 1e-3); three pass the e4m3 q's tolerances.
+  // descale per tile, q / d = t0 + t1 / 16 + t2 / 256 (t_i+1 = e4m3(kQLoScale (the rest after t_i))); the three
+  // terms of 16 query rows are the rows of one B operand (N = 48), so that S^T reads each K block once for all three
+  // and each term's sum is a column block of its own. Two terms left scores ~2^-8 |q| |k| off (GPU: lse max error
+  // 1.2-2.6e-3, against tests/test_fp8.py's 1e-3); three pass the e4m3 q's tolerances.
   static constexpr bool kWideQ = kWideQ_;
   static constexpr int kQTerms = kWideQ ? 3 : 1;
   static constexpr int kQRows = kQTerms * kRows;       // rows of a Q tile
