@@ -802,6 +802,34 @@ def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("q_dtype", [BF16, FP16], ids=["bf16-q", "fp16-q"])
+@pytest.mark.parametrize("s_q,h_q", [(1, 16), (2, 16)])
+def test_gpu_cuda_transposed_kernel_nan_and_inf_in_q(q_dtype, s_q, h_q):
+    """A 16-bit q's three e4m3 terms take one scale per tile (the KV head's rows of one sequence; tests/test_q_terms.py):
+    a NaN in q leaves the maximum alone and stays in its own row; an infinity makes the scale infinite and every row
+    of that tile NaN, out and lse. Other sequences are bit for bit those of the same call without it."""
+    cuda_fp8_or_skip()
+    batch = make([65, 200, 130], s_q, h_q, 1, q_dtype, (None, 1.0), False, seed=340 + s_q, device="cuda")
+    clean_out, clean_lse = run(batch, num_sms=7, backend="cuda")
+    assert torch.isfinite(clean_out).all() and torch.isfinite(clean_lse).all()
+    for bad in (float("nan"), float("inf")):
+        q = batch.q.clone()
+        batch.q[1, s_q - 1, 3, 10] = bad
+        out, lse = run(batch, num_sms=7, backend="cuda")
+        batch.q.copy_(q)
+        for seq in (0, 2):
+            assert torch.equal(out[seq], clean_out[seq]) and torch.equal(lse[seq], clean_lse[seq]), (bad, seq)
+        if bad != bad:    # NaN: only its row (token s_q - 1, head 3)
+            assert torch.isnan(out[1, s_q - 1, 3]).all() and torch.isnan(lse[1, 3, s_q - 1])
+            keep = torch.ones(s_q, h_q, dtype=torch.bool, device="cuda")
+            keep[s_q - 1, 3] = False
+            assert torch.equal(out[1][keep], clean_out[1][keep])
+        else:
+            assert torch.isnan(out[1]).all() and torch.isnan(lse[1]).all()
+
+
+@pytest.mark.gpu
+@needs_cuda
 @pytest.mark.parametrize("q_dtype,descales", [(FP8, (0.01, 37.0)), (BF16, (None, 0.01)), (FP16, (None, 37.0))],
                          ids=["fp8-q", "bf16-q", "fp16-q"])
 @pytest.mark.parametrize("s_q,h_q", [(1, 128), (2, 160)])
