@@ -805,9 +805,10 @@ def test_gpu_cuda_transposed_kernel(num_sms, s_q, h_q, h_kv, causal, q_dtype):
 @pytest.mark.parametrize("q_dtype", [BF16, FP16], ids=["bf16-q", "fp16-q"])
 @pytest.mark.parametrize("s_q,h_q", [(1, 16), (2, 16)])
 def test_gpu_cuda_transposed_kernel_nan_and_inf_in_q(q_dtype, s_q, h_q):
-    """A 16-bit q's three e4m3 terms take one scale per tile (the KV head's rows of one sequence; tests/test_q_terms.py):
-    a NaN in q leaves the maximum alone and stays in its own row; an infinity makes the scale infinite and every row
-    of that tile NaN, out and lse. Other sequences are bit for bit those of the same call without it."""
+    """A 16-bit q's three e4m3 terms take one scale per tile (the KV head's rows of one sequence;
+    tests/test_q_terms.py): a NaN in q leaves the maximum alone and stays in its own row; an infinity makes the scale
+    infinite and every row of that tile NaN, out and lse. Other sequences are bit for bit those of the same call
+    without it."""
     cuda_fp8_or_skip()
     batch = make([65, 200, 130], s_q, h_q, 1, q_dtype, (None, 1.0), False, seed=340 + s_q, device="cuda")
     clean_out, clean_lse = run(batch, num_sms=7, backend="cuda")
