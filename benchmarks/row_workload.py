@@ -31,8 +31,12 @@ def add_row_arguments(ap):
 def row_label(args):
     if args.sparse:
         return f"sparse b={args.b} topk={args.topk} h={args.h_q} s={args.s_q}"
-    form = "v" if args.varied else "f"
-    return f"b={args.b} L={args.mean}{form} h={args.h_q} s={args.s_q}" + (" (flash_mla fp8)" if args.fp8 else "")
+    return dense_table_label(args) + (" (flash_mla fp8)" if args.fp8 else "")
+
+
+def dense_table_label(args):
+    """The dense row's label in the referee's table form ('L=<mean>f' fixed lengths, 'L=<mean>v' varied)."""
+    return f"b={args.b} L={args.mean}{'v' if args.varied else 'f'} h={args.h_q} s={args.s_q}"
 
 
 def kinds_for(args):
@@ -61,7 +65,7 @@ def row_workload(args, prepared_copies=None):
     else:
         lens = [args.mean] * args.b
         if args.varied:
-            label = f"b={args.b} L={args.mean}v h={args.h_q} s={args.s_q}"
+            label = dense_table_label(args)
             found = [w_lens for _group, w_label, w_lens, _s_q, _h_q in sxs.table_workloads() if w_label == label]
             if not found:
                 raise SystemExit(f"--varied: the referee's table has no row {label!r} (b = 128; L 4096, 8192, 16384; "

@@ -120,7 +120,7 @@ int check_transposed() {
         const int have = bytes(typename T::SmemLayoutPt{}, row, 8 * kc + e, 2), want = T::pt_chunk_offset(row, kc) + 2 * e;
         if (have != want && errors++ < 5) printf("P^T (%d, %d) at %d, not %d\n", row, 8 * kc + e, have, want);
       }
-  // A 16-bit q's producer stores 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
+  // quantise_q stores a 16-bit q's 8 e4m3 values (bytes) at once: each run of 8 columns of a Q row is contiguous.
   // S tile j is a (kSTileCols, 640) tile of its own, kSTileCols x 640 bytes after tile j - 1.
   auto q_bytes = [](int row, int col, int tile) {
     typename T::SmemLayoutQ layout;

@@ -36,8 +36,6 @@
 #include <cutlass/arch/barrier.h>
 
 #include <climits>
-#include <cstring>
-#include <type_traits>
 
 #include "params.h"
 #include "softmax.h"
