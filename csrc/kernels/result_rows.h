@@ -18,14 +18,25 @@ struct ResultRow {
   __device__ __forceinline__ ResultRow(const DecodeParams& p, int kv_head, int row)
       : token(row / p.heads_per_kv), head(kv_head * p.heads_per_kv + row % p.heads_per_kv) {}
 
-  // The row's first element in out (batch, seqlen_q, num_heads_q, 512), sequence `seq`.
+  // The row's first element in out (batch, seqlen_q, num_heads_q, 512), sequence `seq`; within the sequence's
+  // block of out (seq_out_offset), which is the same for every sequence.
+  __device__ __forceinline__ int out_offset_in_seq(const DecodeParams& p) const {
+    return (token * p.num_heads_q + head) * kHeadDimV;
+  }
   __device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int seq) const {
-    return ((int64_t(seq) * p.seqlen_q + token) * p.num_heads_q + head) * kHeadDimV;
+    return seq_out_offset(p, seq) + out_offset_in_seq(p);
+  }
+  __device__ __forceinline__ static int64_t seq_out_offset(const DecodeParams& p, int seq) {
+    return int64_t(seq) * p.seqlen_q * p.num_heads_q * kHeadDimV;
   }
 
-  // The row's element in lse (batch, num_heads_q, seqlen_q), sequence `seq`.
+  // The row's element in lse (batch, num_heads_q, seqlen_q), sequence `seq`; likewise within the sequence's block.
+  __device__ __forceinline__ int lse_offset_in_seq(const DecodeParams& p) const { return head * p.seqlen_q + token; }
   __device__ __forceinline__ int64_t lse_offset(const DecodeParams& p, int seq) const {
-    return (int64_t(seq) * p.num_heads_q + head) * p.seqlen_q + token;
+    return seq_lse_offset(p, seq) + lse_offset_in_seq(p);
+  }
+  __device__ __forceinline__ static int64_t seq_lse_offset(const DecodeParams& p, int seq) {
+    return int64_t(seq) * p.num_heads_q * p.seqlen_q;
   }
 };
 

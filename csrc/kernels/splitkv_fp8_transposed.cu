@@ -19,6 +19,7 @@
 #include "kv_cache_tma.h"
 #include "launch.h"
 #include "params.h"
+#include "result_rows.h"
 #include "softmax.h"
 #include "tile_scheduler.h"
 #include "transposed_epilogue.h"
@@ -70,6 +71,12 @@ __global__ void __launch_bounds__(TransposedTraits<kRows, kWideQ>::kThreads, 1)
   const int kv_head = blockIdx.y;
   const PieceRange<> range(params, blockIdx.z);
   if (range.last_seq() < range.first_seq()) return;    // an SM part with no work (no thread waits on a barrier)
+  if (threadIdx.x < params.rows_per_kv && threadIdx.x < kRows) {    // the epilogue's row table
+    const ResultRow row(params, kv_head, threadIdx.x);
+    smem.row_out[threadIdx.x] = row.out_offset_in_seq(params);
+    smem.row_lse[threadIdx.x] = row.lse_offset_in_seq(params);
+    smem.row_head[threadIdx.x] = row.head;
+  }
   __syncthreads();
 
   const int role = threadIdx.x / Traits::kWarpgroupThreads;

@@ -18,7 +18,7 @@
 #include <cute/tensor.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include <cstring>
+#include <type_traits>
 
 #include "params.h"
 #include "result_rows.h"
@@ -115,47 +115,70 @@ struct TransposedEpilogue {
     ++merges;
 
     // ---- 3. normalise and write: a thread holds dims (2 g, 2 g + 1) of each dim block's warp rows ---------------
-    const int dim_pair = 16 * warp + 2 * (lane / 4);
-    CUTE_UNROLL
-    for (int c = 0; c < kSlots; ++c) {
-      const int row = column_of(c, quad_lane);    // the packed query row
-      if (row >= p.rows_per_kv) continue;
+    // Every address is a per-piece base plus a row offset from the CTA's row table and a per-thread constant.
+    const int dims = 64 * kHalf * warpgroup + 16 * warp + 2 * (lane / 4);    // block 0's dim pair of this thread
+    const bool writes_lse = warpgroup == 0 && warp == 0 && lane < 4;
+    // column c's lse and the factor that normalises its values (0 for a column no key reached)
+    auto normalise = [&](int c, int row, float& lse, float& inv) {
       const bool seen = !(total[c] == 0.f);       // a NaN total stays NaN in out and lse
-      const float lse = seen ? (exp2_base(top[c], scales.score_log2) + log2f(total[c])) * kLn2 : -INFINITY;
-      const ResultRow result(p, kv_head, row);
-      float inv = seen ? scales.out / total[c] : 0.f;
-      if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[result.head] - lse);
-      const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
-      if (!piece.split) {
-        // out is bf16, or with an fp16 q fp16 (the binding's out dtype)
-        uint16_t* out = static_cast<uint16_t*>(p.out) + result.out_offset(p, piece.seq);
-        auto pack = [&](float a, float b) {
-          uint32_t bits;
-          if (Traits::kWideQ && !p.out_bf16) {
-            const __half2 h = __floats2half2_rn(a, b);
-            memcpy(&bits, &h, 4);
-          } else {
-            const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-            memcpy(&bits, &h, 4);
+      lse = seen ? (exp2_base(top[c], scales.score_log2) + log2f(total[c])) * kLn2 : -INFINITY;
+      inv = seen ? scales.out / total[c] : 0.f;
+      if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[smem.row_head[row]] - lse);
+    };
+    if (!piece.split) {
+      // out is bf16, or with an fp16 q fp16 (the binding's out dtype)
+      auto write_out = [&](auto pair_tag) {
+        using Pair = decltype(pair_tag);
+        uint16_t* out = static_cast<uint16_t*>(p.out) + ResultRow::seq_out_offset(p, piece.seq) + dims;
+        float* lse_out = p.lse + ResultRow::seq_lse_offset(p, piece.seq);
+        CUTE_UNROLL
+        for (int c = 0; c < kSlots; ++c) {
+          const int row = column_of(c, quad_lane);    // the packed query row
+          if (row >= p.rows_per_kv) continue;
+          float lse, inv;
+          normalise(c, row, lse, inv);
+          const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
+          uint16_t* out_row = out + smem.row_out[row];
+          CUTE_UNROLL
+          for (int k = 0; k < kHalf; ++k) {
+            *reinterpret_cast<Pair*>(out_row + 64 * k) = to_pair<Pair>(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
           }
-          return bits;
-        };
-        CUTE_UNROLL
-        for (int k = 0; k < kHalf; ++k) {
-          *reinterpret_cast<uint32_t*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
-              pack(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
+          if (writes_lse) lse_out[smem.row_lse[row]] = lse;
         }
-        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse[result.lse_offset(p, piece.seq)] = lse;
+      };
+      if (Traits::kWideQ && !p.out_bf16) {
+        write_out(__half2{});
       } else {
-        const int64_t slot_row = partial_row(p, piece.slot, kv_head, row);
-        float* out = p.o_partial + slot_row * kHeadDimV;
+        write_out(__nv_bfloat162{});
+      }
+    } else {
+      const int64_t slot_row = partial_row(p, piece.slot, kv_head, 0);
+      float* out = p.o_partial + slot_row * kHeadDimV + dims;
+      float* lse_out = p.lse_partial + slot_row;
+      CUTE_UNROLL
+      for (int c = 0; c < kSlots; ++c) {
+        const int row = column_of(c, quad_lane);
+        if (row >= p.rows_per_kv) continue;
+        float lse, inv;
+        normalise(c, row, lse, inv);
+        const int i = (c & 1) + 4 * (c >> 1);
+        float* out_row = out + row * kHeadDimV;
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {
-          *reinterpret_cast<float2*>(out + 64 * (kHalf * warpgroup + k) + dim_pair) =
-              make_float2(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
+          *reinterpret_cast<float2*>(out_row + 64 * k) = make_float2(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
-        if (warpgroup == 0 && warp == 0 && lane < 4) p.lse_partial[slot_row] = lse;
+        if (writes_lse) lse_out[row] = lse;
       }
+    }
+  }
+
+ private:
+  template <class Pair>
+  __device__ __forceinline__ static Pair to_pair(float a, float b) {
+    if constexpr (std::is_same_v<Pair, __half2>) {
+      return __floats2half2_rn(a, b);
+    } else {
+      return __floats2bfloat162_rn(a, b);
     }
   }
 };

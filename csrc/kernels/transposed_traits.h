@@ -136,6 +136,11 @@ struct TransposedTraits {
     float col_max[kComputeWarpgroups][4][kRows];    // a warp's column maxima, when a reference moves
     float piece_sum[kComputeWarpgroups][4][kRows];  // a warp's column sums at the end of a piece
     float piece_ref[kComputeWarpgroups][kRows];     // a warpgroup's references at the end of a piece
+    // Where packed row r's results go within a sequence's block of out and of lse, and its query head: the same for
+    // every piece of the CTA, so computed once (the divisions by heads_per_kv cost the epilogue ~1.5 % of a call)
+    int row_out[kRows];
+    int row_lse[kRows];
+    int row_head[kRows];
     // A 16-bit q: each computing warp's maximum of |q|, then the tile's descale
     alignas(16) float q_amax[8];
     float q_descale;
