@@ -19,12 +19,13 @@ struct ResultRow {
       : token(row / p.heads_per_kv), head(kv_head * p.heads_per_kv + row % p.heads_per_kv) {}
 
   // The row's first element in out (batch, seqlen_q, num_heads_q, 512), sequence `seq`; within the sequence's
-  // block of out (seq_out_offset), which is the same for every sequence.
+  // block of out (seq_out_offset), which is the same for every sequence (32-bit: the transposed kernel's row table,
+  // whose rows have seqlen_q x num_heads_q x 512 far below 2^31).
   __device__ __forceinline__ int out_offset_in_seq(const DecodeParams& p) const {
     return (token * p.num_heads_q + head) * kHeadDimV;
   }
   __device__ __forceinline__ int64_t out_offset(const DecodeParams& p, int seq) const {
-    return seq_out_offset(p, seq) + out_offset_in_seq(p);
+    return seq_out_offset(p, seq) + int64_t(token * p.num_heads_q + head) * kHeadDimV;
   }
   __device__ __forceinline__ static int64_t seq_out_offset(const DecodeParams& p, int seq) {
     return int64_t(seq) * p.seqlen_q * p.num_heads_q * kHeadDimV;
