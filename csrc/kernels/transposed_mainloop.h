@@ -435,16 +435,15 @@ struct TransposedMainloop {
 
   // The A fragment of one m64nNk16 O^T WGMMA (warp w: dims dim0 .. dim0 + 15, keys key0 .. key0 + 15): two 8 x 16-
   // byte matrices of e4m3 (keys x dim pairs) transposed by ldmatrix, so that a thread holds, for the dim pair
-  // (2 g, 2 g + 1) (g = lane / 4), keys 2 t, 2 t + 1 and 8 + 2 t, 9 + 2 t (t = lane % 4); prmt splits each register
-  // by dim and cvt widens it. The fragment's rows g and g + 8 are then dims 2 g and 2 g + 1 (the RS A layout: a0
-  // (g, 2 t), a1 (g + 8, 2 t), a2 (g, 8 + 2 t), a3 (g + 8, 8 + 2 t)): O^T's rows come out in that order, which the
-  // epilogue's stores follow (a thread's values i and i + 2 are dims 2 g and 2 g + 1). kTail: keys at or past valid_keys become zeros (a partial page: the cache's slots
-  // past a sequence's end may hold NaN, and P = 0 times NaN would be NaN).
+  // (2 g, 2 g + 1) (g = lane / 4), keys 2 t, 2 t + 1 and 8 + 2 t, 9 + 2 t (t = lane % 4); one prmt per register
+  // sorts its bytes by dim and cvt widens each half. The fragment's rows g and g + 8 are then dims 2 g and 2 g + 1
+  // (the RS A layout: a0 (g, 2 t), a1 (g + 8, 2 t), a2 (g, 8 + 2 t), a3 (g + 8, 8 + 2 t)): O^T's rows come out in that
+  // order, which the epilogue's stores follow (a thread's values i and i + 2 are dims 2 g and 2 g + 1). `row`: this
+  // lane's ldmatrix row address (VtAddresses). kTail: keys at or past valid_keys become zeros (a partial page: the
+  // cache's slots past a sequence's end may hold NaN, and P = 0 times NaN would be NaN).
   template <bool kTail>
-  __device__ __forceinline__ static void load_vt_fragment(uint32_t page, int dim0, int key0, int valid_keys, uint32_t (&a)[4]) {
+  __device__ __forceinline__ static void load_vt_fragment(uint32_t row, int key0, int valid_keys, uint32_t (&a)[4]) {
     const int lane = threadIdx.x % 32;
-    const int key = key0 + (lane & 15);                     // lanes 0-7 address matrix 0's rows, 8-15 matrix 1's
-    const uint32_t row = page + Traits::page_chunk_offset(key, dim0 / Traits::kUnitCols, dim0 % Traits::kUnitCols / 16);
     uint32_t m[2];
     asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0, %1}, [%2];" : "=r"(m[0]), "=r"(m[1]) : "r"(row));
     CUTE_UNROLL
@@ -454,13 +453,36 @@ struct TransposedMainloop {
         const int k = key0 + 8 * j + 2 * (lane % 4);
         m[j] = k >= valid_keys ? 0u : k + 1 >= valid_keys ? (m[j] & 0xffffu) : m[j];
       }
-      // -> (d: k, k + 1), (d + 1: k, k + 1)
-      const uint32_t even = __byte_perm(m[j], 0, 0x0020);    // bytes 0, 2
-      const uint32_t odd = __byte_perm(m[j], 0, 0x0031);     // bytes 1, 3
-      asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(a[2 * j]) : "r"(even));
-      asm("{\n .reg .b16 x;\n cvt.u16.u32 x, %1;\n cvt.rn.f16x2.e4m3x2 %0, x;\n}" : "=r"(a[2 * j + 1]) : "r"(odd));
+      // -> low half (d: k, k + 1), high half (d + 1: k, k + 1)
+      const uint32_t by_dim = __byte_perm(m[j], 0, 0x3120);
+      asm("{\n .reg .b16 lo, hi;\n mov.b32 {lo, hi}, %2;\n cvt.rn.f16x2.e4m3x2 %0, lo;\n cvt.rn.f16x2.e4m3x2 %1, hi;\n}"
+          : "=r"(a[2 * j]), "=r"(a[2 * j + 1]) : "r"(by_dim));
     }
   }
+
+  // Where this lane's ldmatrix rows of a page's V^T fragments lie: the fragment of dim block mb (O^T's order: dims
+  // 64 ((mb + 4 w) mod 8) in warpgroup w) and key block kb reads row (lane & 15) of keys 16 kb .., 16-byte chunk
+  // 4 (mb & 1) + warp of unit ((mb >> 1) + 2 w) mod 4 (the 128-byte swizzle: chunk ^ key % 8, and key % 8 = lane % 8
+  // for every kb). Per page two adds; per fragment the unit's rotation (an xor shared by its key blocks) and an
+  // add, where the general page_chunk_offset cost ~4 instructions a fragment.
+  struct VtAddresses {
+    uint32_t chunk_row[2];    // page + row and swizzled chunk, for even and odd dim blocks
+    uint32_t unit_flip;       // (2 w) x kUnitBytes: ((mb >> 1) + 2 w) mod 4 = (mb >> 1) ^ 2 w
+
+    __device__ __forceinline__ VtAddresses(uint32_t page, int warpgroup) {
+      const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
+      CUTE_UNROLL
+      for (int parity = 0; parity < 2; ++parity) {
+        chunk_row[parity] = page + (lane & 15) * 128 + (((4 * parity + warp) ^ (lane % 8)) * 16);
+      }
+      unit_flip = static_cast<uint32_t>(2 * warpgroup * Traits::kUnitBytes);
+      static_assert(Traits::kDimBlocks == 8 && Traits::kUnitCols == 128, "two dim blocks a unit, four units");
+    }
+    __device__ __forceinline__ uint32_t operator()(int mb, int kb) const {
+      return chunk_row[mb & 1] + (static_cast<uint32_t>((mb >> 1) * Traits::kUnitBytes) ^ unit_flip) +
+             kb * 16 * 128;
+    }
+  };
 
   // O^T += V^T P^T over the page's four key blocks, in batches of kBatchBlocks dim blocks: two sets of V^T
   // fragments, one read by the WGMMAs in flight while the other is loaded; returns with every WGMMA complete (the
@@ -473,14 +495,13 @@ struct TransposedMainloop {
     using namespace cute;
     constexpr int kBatch = Traits::kBatchBlocks, kBatchesPerKeyBlock = Traits::kDimBlocks / kBatch;
     typename Traits::TiledMmaO mma_o;
-    const int t = threadIdx.x % kWgThreads, warp = t / 32;
+    const int t = threadIdx.x % kWgThreads;
     auto thr_o = mma_o.get_slice(t);
     Tensor sPt = make_tensor(make_smem_ptr(smem.pt[warpgroup]), typename Traits::SmemLayoutPt{});    // (N, 64)
     Tensor tOrPt = thr_o.partition_fragment_B(sPt);                                                 // (MMA, 1, 4)
     Tensor tOrA0 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
     Tensor tOrA1 = make_tensor<Half>(partition_shape_A(mma_o, Shape<Int<64 * kBatch>, _16>{}));     // (MMA, B, 1)
-    const uint32_t page = static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer]));
-    const int first_dim = Traits::kExchangeBlocks * 64 * warpgroup;
+    const VtAddresses vt_address(static_cast<uint32_t>(__cvta_generic_to_shared(smem.page[buffer])), warpgroup);
     auto batch = [&](auto step) {
       constexpr int kStep = decltype(step)::value;
       constexpr int kb = kStep / kBatchesPerKeyBlock, mb0 = kStep % kBatchesPerKeyBlock * kBatch;
@@ -490,7 +511,7 @@ struct TransposedMainloop {
       CUTE_UNROLL
       for (int b = 0; b < kBatch; ++b) {
         uint32_t a[4];
-        load_vt_fragment<kTail>(page, (first_dim + 64 * (mb0 + b)) % kHeadDimV + 16 * warp, 16 * kb, valid_keys, a);
+        load_vt_fragment<kTail>(vt_address(mb0 + b, kb), 16 * kb, valid_keys, a);
         Tensor words = recast<uint32_t>(tOrA(_, b, 0));
         CUTE_UNROLL
         for (int i = 0; i < 4; ++i) words(i) = a[i];
