@@ -50,6 +50,14 @@ __device__ __forceinline__ float lazy_reference(float reference, float page_max,
   return passed ? fmaxf(reference, page_max) : reference;
 }
 
+// A score above reference_threshold(reference, kLazyRescaleLog2 / scale_log2) passes `reference`: lazy_reference's
+// test as one compare a score (a row's maximum passes exactly when one of its scores does), up to the rounding of
+// the threshold, which only moves where within an ulp of 2^kLazyRescaleLog2 a reference moves. -inf for a row
+// that has seen no key: any score passes (NaN none, as fmaxf leaves it out of a maximum).
+__device__ __forceinline__ float reference_threshold(float reference, float margin) {
+  return reference == -INFINITY ? -INFINITY : reference + margin;
+}
+
 __device__ __forceinline__ float exp2_base(float row_max, float scale_log2) {
   return row_max == -INFINITY ? 0.f : __fmul_rn(row_max, scale_log2);
 }

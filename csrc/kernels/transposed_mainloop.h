@@ -328,24 +328,29 @@ struct TransposedMainloop {
         }
       }
 
-      // softmax over the page's keys, per query column: maxima within the warp by shuffles; the lazy reference
-      // moves only when a warpgroup vote says some column passed it
-      float col_max[kTileSlots];
+      // softmax over the page's keys, per query column: the lazy reference moves only when a warpgroup vote says
+      // that some score passed its column's reference (one compare a score against reference_threshold), and only
+      // then are the column maxima formed (shuffles within the warp, then shared memory), off the common path
+      const float margin = kLazyRescaleLog2 / scales.score_log2;
+      float threshold[kTileSlots];
       CUTE_UNROLL
-      for (int c = 0; c < kTileSlots; ++c) {
-        const int i = (c & 1) + 4 * (c >> 1);
-        float m = fmaxf(tSrS(i), tSrS(i + 2));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
-        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
-        col_max[c] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
-      }
+      for (int c = 0; c < kTileSlots; ++c) threshold[c] = reference_threshold(stats.ref[kSlot0 + c], margin);
       int passed = 0;
       CUTE_UNROLL
-      for (int c = 0; c < kTileSlots; ++c) {
-        passed |= lazy_reference(stats.ref[kSlot0 + c], col_max[c], scales.score_log2) != stats.ref[kSlot0 + c];
-      }
+      for (int i = 0; i < size(tSrS); ++i) passed |= tSrS(i) > threshold[slot_of(i)];
       passed = vote_any(passed, barrier_id(TransposedBarrier::kReferenceVote, warpgroup));
-      if (passed) move_references<kSlot0>(scales, smem, warpgroup, col_max, tOrO, stats);
+      if (passed) {
+        float col_max[kTileSlots];
+        CUTE_UNROLL
+        for (int c = 0; c < kTileSlots; ++c) {
+          const int i = (c & 1) + 4 * (c >> 1);
+          float m = fmaxf(tSrS(i), tSrS(i + 2));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
+          m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
+          col_max[c] = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 16));
+        }
+        move_references<kSlot0>(scales, smem, warpgroup, col_max, tOrO, stats);
+      }
 
       uint32_t probs[kTileSlots];    // fp16 pairs: register j holds values 2 j, 2 j + 1 (one key, two columns)
       CUTE_UNROLL
