@@ -9,7 +9,9 @@
 //     load_q_bytes / a SWIZZLE_128B TMA box put it (unit base + 128 r + 16 ((j / 16) ^ (r % 8)) + j % 16), and S's
 //     accumulator is laid out as the 16-bit S's (the softmax and P are shared).
 //  7. The transposed FP8 kernel (transposed_traits.h, 16 and 32 rows): page_chunk_offset / pt_chunk_offset (where
-//     the V^T ldmatrix and the P^T stmatrix address) are where SmemLayoutPage / SmemLayoutPt hold those chunks; S^T's
+//     the V^T ldmatrix and the P^T stmatrix address) are where SmemLayoutPage / SmemLayoutPt hold those chunks, and
+//     the V^T ldmatrix rows' split form (vt_lane_offset + vt_block_offset, mainloop VtAddresses) is page_chunk_offset
+//     of each warpgroup's, warp's, lane's, dim block's and key block's row; S^T's
 //     and O^T's accumulator value i of thread t is (row 16 w + g + 8 ((i >> 1) & 1), column 2 q + (i & 1) +
 //     8 (i >> 2)) (w = t / 32, g = t % 32 / 4, q = t % 4: slot_of / column_of); and O^T's register-A value 2 j + e
 //     is (row 16 w + g + 8 (j & 1), key 2 q + e + 8 (j >> 1)), the order load_vt_fragment fills a[j] in (dims 2 g
@@ -114,6 +116,18 @@ int check_transposed() {
           const int want = T::page_chunk_offset(key, unit, chunk) + e;
           if (have != want && errors++ < 5) printf("page (%d, %d) at %d, not %d\n", key, 128 * unit + 16 * chunk + e, have, want);
         }
+  // The V^T fragments' ldmatrix rows (mainloop VtAddresses): warpgroup w's dim block mb holds dims
+  // 64 ((mb + 4 w) mod 8), warp `warp` its 16 dims from + 16 warp, lane l the row of key 16 kb + l % 16.
+  for (int w = 0; w < 2; ++w)
+    for (int warp = 0; warp < 4; ++warp)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int mb = 0; mb < T::kDimBlocks; ++mb)
+          for (int kb = 0; kb < T::kKeyBlocks; ++kb) {
+            const int dim = 64 * ((mb + 4 * w) % T::kDimBlocks) + 16 * warp;
+            const int want = T::page_chunk_offset(16 * kb + lane % 16, dim / T::kUnitCols, dim % T::kUnitCols / 16);
+            const int have = T::vt_lane_offset(mb & 1, warp, lane) + int(T::vt_block_offset(mb, kb, T::vt_unit_flip(w)));
+            if (have != want && errors++ < 5) printf("V^T w %d warp %d lane %d block %d/%d at %d, not %d\n", w, warp, lane, mb, kb, have, want);
+          }
   for (int row = 0; row < kRows; ++row)
     for (int kc = 0; kc < 8; ++kc)
       for (int e = 0; e < 8; ++e) {

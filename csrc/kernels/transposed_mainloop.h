@@ -465,27 +465,22 @@ struct TransposedMainloop {
     }
   }
 
-  // Where this lane's ldmatrix rows of a page's V^T fragments lie: the fragment of dim block mb (O^T's order: dims
-  // 64 ((mb + 4 w) mod 8) in warpgroup w) and key block kb reads row (lane & 15) of keys 16 kb .., 16-byte chunk
-  // 4 (mb & 1) + warp of unit ((mb >> 1) + 2 w) mod 4 (the 128-byte swizzle: chunk ^ key % 8, and key % 8 = lane % 8
-  // for every kb). Per page two adds; per fragment the unit's rotation (an xor shared by its key blocks) and an
-  // add, where the general page_chunk_offset cost ~4 instructions a fragment.
+  // Where this lane's ldmatrix rows of a page's V^T fragments lie (Traits::vt_lane_offset / vt_block_offset): per
+  // page two adds, per fragment an xor shared by its key blocks and an add, where the general page_chunk_offset
+  // cost ~4 instructions a fragment.
   struct VtAddresses {
-    uint32_t chunk_row[2];    // page + row and swizzled chunk, for even and odd dim blocks
-    uint32_t unit_flip;       // (2 w) x kUnitBytes: ((mb >> 1) + 2 w) mod 4 = (mb >> 1) ^ 2 w
+    uint32_t chunk_row[2];    // page + the lane's row and swizzled chunk, for even and odd dim blocks
+    uint32_t unit_flip;       // the warpgroup's rotation of the units
 
     __device__ __forceinline__ VtAddresses(uint32_t page, int warpgroup) {
       const int t = threadIdx.x % kWgThreads, warp = t / 32, lane = t % 32;
       CUTE_UNROLL
-      for (int parity = 0; parity < 2; ++parity) {
-        chunk_row[parity] = page + (lane & 15) * 128 + (((4 * parity + warp) ^ (lane % 8)) * 16);
-      }
-      unit_flip = static_cast<uint32_t>(2 * warpgroup * Traits::kUnitBytes);
+      for (int parity = 0; parity < 2; ++parity) chunk_row[parity] = page + Traits::vt_lane_offset(parity, warp, lane);
+      unit_flip = Traits::vt_unit_flip(warpgroup);
       static_assert(Traits::kDimBlocks == 8 && Traits::kUnitCols == 128, "two dim blocks a unit, four units");
     }
     __device__ __forceinline__ uint32_t operator()(int mb, int kb) const {
-      return chunk_row[mb & 1] + (static_cast<uint32_t>((mb >> 1) * Traits::kUnitBytes) ^ unit_flip) +
-             kb * 16 * 128;
+      return chunk_row[mb & 1] + Traits::vt_block_offset(mb, kb, unit_flip);
     }
   };
 

@@ -104,6 +104,20 @@ struct TransposedTraits {
   __host__ __device__ static constexpr int page_chunk_offset(int key, int unit, int chunk) {
     return unit * kUnitBytes + key * 128 + ((chunk ^ (key % 8)) * 16);
   }
+  // The O^T WGMMAs' V^T fragments (mainloop's VtAddresses): lane `lane` of warp `warp` in warpgroup w reads, for
+  // dim block mb (O^T's order: dims 64 ((mb + 4 w) mod 8) + 16 warp ..) and key block kb, the ldmatrix row of key
+  // 16 kb + lane % 16, 16-byte chunk 4 (mb & 1) + warp of unit ((mb >> 1) + 2 w) mod 4. Its page_chunk_offset is
+  // vt_lane_offset(mb & 1, warp, lane) + vt_block_offset(mb, kb, w): the 128-byte swizzle's key % 8 is lane % 8 for
+  // every kb, and ((mb >> 1) + 2 w) mod 4 = (mb >> 1) ^ 2 w (csrc/checks/smem_layout_check.cu checks the sum).
+  __host__ __device__ static constexpr int vt_lane_offset(int parity, int warp, int lane) {
+    return (lane & 15) * 128 + (((4 * parity + warp) ^ (lane % 8)) * 16);
+  }
+  __host__ __device__ static constexpr uint32_t vt_unit_flip(int warpgroup) {
+    return static_cast<uint32_t>(2 * warpgroup * kUnitBytes);
+  }
+  __host__ __device__ static constexpr uint32_t vt_block_offset(int mb, int kb, uint32_t unit_flip) {
+    return (static_cast<uint32_t>((mb >> 1) * kUnitBytes) ^ unit_flip) + kb * 16 * 128;
+  }
   // Byte offset in a P^T buffer of the 16-byte chunk holding keys [8 k, 8 k + 8) of row (query column) `row`
   // (SmemLayoutPt: rows of 64 fp16 keys, the 128-byte swizzle).
   __host__ __device__ static constexpr int pt_chunk_offset(int row, int key_chunk) {
