@@ -360,6 +360,62 @@ def test_ncu_roles_splits_at_setmaxnreg_and_the_last_exit():
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# benchmarks/ncu_lines.py: ncu's per-instruction samples mapped to nvdisasm -gi's inlined source frames
+
+_NCU_LINES_SASS = """
+//--------------------- .text._Z6kernelv --------------------------
+.text._Z6kernelv:
+	//## File "/src/k.cu", line 10
+        /*0000*/                   S2R R0, SR_TID.X ;
+	//## File "/inc/barrier.h", line 5 inlined at "/src/epi.h", line 7
+	//## File "/src/epi.h", line 7 inlined at "/src/k.cu", line 20
+	//## File "/src/k.cu", line 20
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+	//## File "/src/epi.h", line 8 inlined at "/src/k.cu", line 20
+	//## File "/src/k.cu", line 20
+        /*0020*/                   STG.E [R2.64], R4 ;
+        /*0030*/                   EXIT ;
+//--------------------- .text._Z5otherv --------------------------
+.text._Z5otherv:
+        /*0000*/                   NOP ;
+"""
+
+
+def _ncu_lines_export(rows):
+    header = '"Address","Source","Instructions Executed","L1 Wavefronts Shared","L1 Wavefronts Shared Ideal",' \
+             '"stall_long_sb","stall_wait"'
+    return '"Kernel Name","k"\n' + header + "\n" + "\n".join(
+        f'"{a}","{src}","{n}","0","0","{lsb}","{w}"' for a, src, n, lsb, w in rows) + "\n"
+
+
+def test_ncu_lines_maps_samples_to_inlined_source_lines():
+    import ncu_lines
+    import ncu_roles
+    dis = ncu_lines.disassembly(_NCU_LINES_SASS, "_Z6kernelv")
+    assert [(o, ncu_lines.opcode(s)) for o, s, _f in dis] == [
+        (0, "S2R"), (0x10, "BRA"), (0x20, "STG.E"), (0x30, "EXIT")]
+    assert dis[1][2] == (("barrier.h", 5), ("epi.h", 7), ("k.cu", 20))     # innermost first, the block's union
+    assert dis[2][2] == dis[3][2] == (("epi.h", 8), ("k.cu", 20))          # a line's frames hold until the next block
+    export = _ncu_lines_export([("0x7f00", "S2R R0, SR_TID.X", 4, 1, 0), ("0x7f10", "@!P0 BRA `(.L_x_1)", 40, 30, 2),
+                                ("0x7f20", "STG.E [R2.64], R4", 8, 5, 3), ("0x7f30", "EXIT", 4, 0, 1)])
+    rows = ncu_lines.attribute(ncu_roles.load(export), dis)
+    sites = ncu_lines.tally(rows, ncu_lines.call_site)
+    assert {k: (s, n) for k, (s, n, _r) in sites.items()} == {("k.cu", 10): (1, 4), ("k.cu", 20): (41, 52)}
+    assert sites[("k.cu", 20)][2] == {"long_sb": 35, "wait": 6}
+    lines = ncu_lines.tally(rows, ncu_lines.innermost_in({"epi.h"}))      # barrier.h's wait counts as its caller's
+    assert {k: s for k, (s, _n, _r) in lines.items()} == {("epi.h", 7): 32, ("epi.h", 8): 9}
+    assert {k for k, _v in ncu_lines.tally(rows, ncu_lines.innermost_in(set())).items()} == {
+        ("k.cu", 10), ("barrier.h", 5), ("epi.h", 8)}
+    assert len(ncu_lines.under(("k.cu", 20))(rows)) == 3
+    with pytest.raises(ValueError, match="STG"):      # another build's code: nothing is attributed
+        ncu_lines.attribute(ncu_roles.load(export.replace("STG.E [R2.64], R4", "LDG.E R4, [R2.64]")), dis)
+    with pytest.raises(ValueError, match="3 instructions"):
+        ncu_lines.attribute(ncu_roles.load(export)[:3], dis)
+    with pytest.raises(SystemExit):
+        ncu_lines.disassembly(_NCU_LINES_SASS, "_Z7missingv")
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # benchmarks/sparse_locality.py: index patterns over the referee's cache layout (each sequence owns its pages)
 
 
