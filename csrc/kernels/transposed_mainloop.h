@@ -14,10 +14,11 @@
 //                                                 S^T = K Q^T      e4m3, a float32 step a unit (5), two units
 //                                                                  in flight; a 16-bit q's 3 terms as N = 48
 //                                                                  (own columns), a unit at a time
-//                                                 mask (partial / causal pages), column maxima,
-//                                                 vote: did a column pass its reference? (bar.red.or)
-//                                                 if so: the warps' maxima via shared memory, the tile's O^T
-//                                                 columns and sums rescaled to the new reference
+//                                                 mask (partial / causal pages),
+//                                                 vote: did a score pass its column's threshold? (bar.red.or)
+//                                                 if so: column maxima (shuffles, then the warps' via shared
+//                                                 memory), the tile's O^T columns and sums rescaled to the
+//                                                 new reference
 //                                                 P^T = exp2(S^T scale - reference) -> shared (stmatrix.trans)
 //                                               O^T += V^T P^T     4 key blocks x 8 dim blocks, in batches
 //                                                                  of 8 (16 rows) or 4 (32) dim blocks, V^T
