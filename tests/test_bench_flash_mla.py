@@ -416,6 +416,20 @@ def test_ncu_lines_maps_samples_to_inlined_source_lines():
 
 
 # ------------------------------------------------------------------------------------------------------------------
+# benchmarks/fp8_p_model.py: P rounded to e4m3 in the kernels' page loop, against the exact softmax
+
+
+def test_fp8_p_model_e4m3_p_is_far_outside_fp16s_error():
+    import fp8_p_model
+    fp16 = fp8_p_model.out_error(1024, 8, "fp16", seed=0)
+    row = fp8_p_model.out_error(1024, 8, "e4m3-row", seed=0)
+    fixed = fp8_p_model.out_error(1024, 8, "e4m3-fixed", seed=0)
+    assert fp16 < 1e-3 < 5e-3 < row < fixed     # e4m3's 3 mantissa bits reach out almost undamped
+    with pytest.raises(ValueError):
+        fp8_p_model.out_error(64, 2, "e5m2", seed=0)
+
+
+# ------------------------------------------------------------------------------------------------------------------
 # benchmarks/sparse_locality.py: index patterns over the referee's cache layout (each sequence owns its pages)
 
 
