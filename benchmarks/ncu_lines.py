@@ -112,24 +112,39 @@ def under(site):
     return keep
 
 
-def source_text(frame, roots):
-    for root in roots:
-        for dirpath, _dirs, files in os.walk(root):
-            if frame[0] in files:
-                with open(os.path.join(dirpath, frame[0])) as f:
-                    lines = f.read().splitlines()
-                return lines[frame[1] - 1].strip() if 0 < frame[1] <= len(lines) else ""
-    return ""
+class Sources:
+    """The source lines of the files below `roots` by file name (the first found): the folders walked once, each
+    file read once."""
+
+    def __init__(self, roots):
+        self.paths = {}
+        for root in roots:
+            for dirpath, _dirs, files in os.walk(root):
+                for name in files:
+                    self.paths.setdefault(name, os.path.join(dirpath, name))
+        self.lines = {}
+
+    def text(self, frame):
+        name, line = frame
+        if name not in self.lines:
+            path = self.paths.get(name)
+            if path is None:
+                self.lines[name] = []
+            else:
+                with open(path) as f:
+                    self.lines[name] = f.read().splitlines()
+        lines = self.lines[name]
+        return lines[line - 1].strip() if 0 < line <= len(lines) else ""
 
 
-def print_table(title, table, total, top, roots):
+def print_table(title, table, total, top, sources):
     print(f"\n{title}\n")
     print("| source | samples (% of all) | instructions executed (k) | largest stall reasons | text |")
     print("|---|---|---|---|---|")
     for frame, (samples, executed, reasons) in sorted(table.items(), key=lambda kv: -kv[1][0])[:top]:
         largest = sorted(reasons.items(), key=lambda kv: -kv[1])[:3]
         shares = " ".join(f"{r} {100 * v / samples:.0f}%" for r, v in largest if samples > 0)
-        text = source_text(frame, roots)[:70].replace("|", "\\|")
+        text = sources.text(frame)[:70].replace("|", "\\|")
         print(f"| {frame[0]}:{frame[1]} | {samples:.0f} ({100 * samples / total:.1f}) | {executed / 1e3:.0f} | "
               f"{shares} | `{text}` |")
 
@@ -155,15 +170,15 @@ def main():
     except ValueError as e:
         sys.exit(f"ncu_lines: the export and the disassembly are not the same code: {e}")
     total = sum(sum(stalls.values()) for _f, stalls, _n in rows) or 1.0
-    roots = [r for r in args.src.split(",") if r]
+    sources = Sources([r for r in args.src.split(",") if r])
     print_table("By call site (the kernel body's line each instruction belongs to)", tally(rows, call_site), total,
-                args.top, roots)
+                args.top, sources)
     files = {f for f in args.files.split(",") if f}
     if args.under:
         name, line = args.under.rsplit(":", 1)
         rows = under((name, int(line)))(rows)
     print_table("By source line (innermost frame" + (f", under {args.under})" if args.under else ")"),
-                tally(rows, innermost_in(files)), total, args.top, roots)
+                tally(rows, innermost_in(files)), total, args.top, sources)
 
 
 if __name__ == "__main__":
