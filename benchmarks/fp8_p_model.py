@@ -1,4 +1,4 @@
-"""What P V on the e4m3 tensor cores would cost in accuracy: a float64 model of the split kernels' page loop.
+"""What P V on the e4m3 tensor cores costs in accuracy: a float64 model of the split kernels' page loop.
 
     python benchmarks/fp8_p_model.py                    # L = 1024, 4096, 16384; 16 query rows; 3 draws each
     python benchmarks/fp8_p_model.py --lengths 4096 --rows 64 --draws 5
@@ -7,11 +7,14 @@ The data are the FP8 GPU tests' kind (tests/test_fp8.py): random q and cache, bo
 first 512 columns, the default softmax scale. The loop is the kernels': pages of 64 keys, a lazy reference per row
 (moved when a page's maximum passes it by 2^8), O and the sum rescaled when it moves, the sum from unrounded P. Per
 form of P it prints the worst out rel-L2 over the draws against the exact softmax (the GPU tests' bound is 1e-2):
-  fp16        P rounded to fp16 (what the kernels do)
+  fp16        P rounded to fp16 (the split-KV kernels)
   e4m3-row    P scaled so the page's row maximum is 448, rounded to e4m3, scaled back (a per-row scale of P)
   e4m3-fixed  P x 448 / 256 rounded to e4m3 (one scale: P <= 2^8 under the lazy reference)
+  e4m3-two    x = fp16(1.75 P) as two e4m3 terms, hi = e4m3(x), lo = e4m3(x - hi) (the transposed kernel,
+              transposed_traits.h kPScaleLog2: 1.75 P <= 448)
 e4m3 keeps 3 mantissa bits (a relative rounding error up to 2^-4), which the weighted sum of random V carries
 into out almost undamped: out's error is about the RMS of P's relative error, ~1-2 % (docs/PERF.md "FP8 cache").
+The second term keeps 4 bits more: ~1e-3.
 """
 import argparse
 import math
@@ -48,6 +51,10 @@ def out_error(length, rows, form, seed, page=64, lazy_log2=8.0):
             rounded = e4m3(p * scale) / scale
         elif form == "e4m3-fixed":
             rounded = e4m3(p * (448 / 256)) / (448 / 256)
+        elif form == "e4m3-two":
+            x = (p * 1.75).to(torch.float16).to(torch.float64)
+            hi = e4m3(x)
+            rounded = (hi + e4m3(x - hi)) / 1.75
         else:
             raise ValueError(form)
         total += p.sum(dim=1, keepdim=True)
@@ -62,7 +69,7 @@ def main():
     ap.add_argument("--rows", type=int, default=16)
     ap.add_argument("--draws", type=int, default=3)
     args = ap.parse_args()
-    forms = ("fp16", "e4m3-row", "e4m3-fixed")
+    forms = ("fp16", "e4m3-row", "e4m3-fixed", "e4m3-two")
     print("| L | " + " | ".join(f"{f} out rel-L2 (worst of {args.draws})" for f in forms) + " |")
     print("|---|" + "---|" * len(forms))
     for length in (int(x) for x in args.lengths.split(",")):

@@ -424,7 +424,9 @@ def test_fp8_p_model_e4m3_p_is_far_outside_fp16s_error():
     fp16 = fp8_p_model.out_error(1024, 8, "fp16", seed=0)
     row = fp8_p_model.out_error(1024, 8, "e4m3-row", seed=0)
     fixed = fp8_p_model.out_error(1024, 8, "e4m3-fixed", seed=0)
+    two = fp8_p_model.out_error(1024, 8, "e4m3-two", seed=0)
     assert fp16 < 1e-3 < 5e-3 < row < fixed     # e4m3's 3 mantissa bits reach out almost undamped
+    assert fp16 < two < 3e-3 < 3 * two < row    # a second e4m3 term: well inside the 1e-2 bound, above fp16
     with pytest.raises(ValueError):
         fp8_p_model.out_error(64, 2, "e5m2", seed=0)
 
