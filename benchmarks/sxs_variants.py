@@ -39,7 +39,9 @@ the first one (out rel-L2 < 1e-2 on every fourth element, the same -inf pattern 
 timing process that fails (a kernel fault, a variant that does not build) leaves its columns out: the rest is still
 printed, with a `# left out:` line per failed process, and the script exits 1. Prints one row per workload (times,
 the first process's anchor time, ratios) and the geometric means per group (table rows split into memory-bound
-h_q * s_q < 128 and compute-bound); variants are compared with each other only inside one run of this script.
+h_q * s_q < 128 and compute-bound); with --repeat, each variant's mean (and range) of its repeats' geomeans per
+group and per class of query rows a KV head (16, 32, 64, ...: where the FP8 kernels change tile). Variants are
+compared with each other only inside one run of this script.
 """
 import argparse
 import glob
@@ -135,6 +137,30 @@ def timing_runs(names, folders, repeat, same_process):
 
 def geomean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def repeat_summary(rows, names):
+    """The '# mean over repeats' lines: per group of rows, and per table-row class of query rows a KV head (h_q x s_q:
+    the FP8 kernels change tile at 16, 32 and 64), each variant's geomean in each repeat, then their mean and range
+    over the repeats (repeat r of variant v is the column named v#r, or v for the first). rows: (group, rows a KV
+    head, ratios in `names` order) per workload. With one repeat of each variant there is nothing to add: []."""
+    bases = list(dict.fromkeys(n.split("#")[0] for n in names))
+    if len(bases) == len(names):
+        return []
+    classes = {}
+    for group, rows_per_kv, ratios in rows:
+        classes.setdefault(group, []).append(ratios)
+        if group in ("memory", "compute"):
+            classes.setdefault(f"{rows_per_kv} query rows a KV head", []).append(ratios)
+    lines = []
+    for label, members in classes.items():
+        columns = dict(zip(names, zip(*members)))
+        cells = []
+        for base in bases:
+            means = [geomean(c) for n, c in columns.items() if n.split("#")[0] == base]
+            cells.append(f"{base} {sum(means) / len(means):.3f} ({min(means):.3f}-{max(means):.3f}, {len(means)})")
+        lines.append(f"# mean over repeats, {label} ({len(members)} rows): " + ", ".join(cells))
+    return lines
 
 
 def workloads(sxs, args):
@@ -257,17 +283,20 @@ def main():
                     raise SystemExit(f"{label}: variant {name} disagrees with {names[0]} (out rel-L2 {rel:.1e})")
 
     print("workload," + ",".join(f"{n}_us" for n in names) + ",anchor_us," + ",".join(f"ratio_{n}" for n in names))
-    groups = {}
+    groups, classed = {}, []
     for wi, (group, label, _make, _causal, s_q, h_q) in enumerate(work):
         ratios = [times[n][wi][1] / times[n][wi][0] for n in names]
         kind = group if group != "table" else ("compute" if s_q * h_q >= 128 else "memory")
         groups.setdefault(kind, []).append(ratios)
+        classed.append((kind, s_q * h_q, ratios))
         print(f"{group}: {label}," + ",".join(f"{times[n][wi][0] * 1e6:.1f}" for n in names) +
               f",{times[names[0]][wi][1] * 1e6:.1f}," + ",".join(f"{r:.3f}" for r in ratios), flush=True)
     for kind, rows in groups.items():
         columns = list(zip(*rows))
         print(f"# {kind} ({len(rows)} rows) geomean: " +
               ", ".join(f"{n} {geomean(c):.3f} (min {min(c):.3f})" for n, c in zip(names, columns)))
+    for line in repeat_summary(classed, names):
+        print(line)
     for line in failed:
         print(f"# left out: {line}")
     if failed:
