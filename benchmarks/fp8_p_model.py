@@ -10,8 +10,8 @@ form of P it prints the worst out rel-L2 over the draws against the exact softma
   fp16        P rounded to fp16 (the split-KV kernels)
   e4m3-row    P scaled so the page's row maximum is 448, rounded to e4m3, scaled back (a per-row scale of P)
   e4m3-fixed  P x 448 / 256 rounded to e4m3 (one scale: P <= 2^8 under the lazy reference)
-  e4m3-two    x = fp16(1.75 P) as two e4m3 terms, hi = e4m3(x), lo = e4m3(x - hi) (the transposed kernel,
-              transposed_traits.h kPScaleLog2: 1.75 P <= 448)
+  e4m3-two    x = fp16(1.75 P) as two e4m3 terms, hi = e4m3(x), lo = e4m3(x - hi) (1.75 P <= 448 under the
+              lazy reference; the form measured in the transposed kernel, docs/PERF.md's tried table)
 e4m3 keeps 3 mantissa bits (a relative rounding error up to 2^-4), which the weighted sum of random V carries
 into out almost undamped: out's error is about the RMS of P's relative error, ~1-2 % (docs/PERF.md "FP8 cache").
 The second term keeps 4 bits more: ~1e-3.
