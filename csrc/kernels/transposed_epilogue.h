@@ -137,7 +137,7 @@ struct TransposedEpilogue {
           if (row >= p.rows_per_kv) continue;
           float lse, inv;
           normalise(c, row, lse, inv);
-          const int i = (c & 1) + 4 * (c >> 1);       // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
+          const int i = first_value_of(c);            // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
           uint16_t* out_row = out + smem.row_out[row];
           CUTE_UNROLL
           for (int k = 0; k < kHalf; ++k) {
@@ -161,7 +161,7 @@ struct TransposedEpilogue {
         if (row >= p.rows_per_kv) continue;
         float lse, inv;
         normalise(c, row, lse, inv);
-        const int i = (c & 1) + 4 * (c >> 1);
+        const int i = first_value_of(c);
         float* out_row = out + row * kHeadDimV;
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {

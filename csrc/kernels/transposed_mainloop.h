@@ -57,6 +57,8 @@ struct ColumnStats {
 // Accumulator value i of an m64nN fragment (S^T or an O^T dim block): row (key or dim) 16 warp + lane / 4 +
 // 8 ((i >> 1) & 1), column 2 (lane % 4) + (i & 1) + 8 (i >> 2); slot (i & 1) + 2 (i >> 2) of the thread's N / 4.
 __device__ __forceinline__ constexpr int slot_of(int i) { return (i & 1) + 2 * (i >> 2); }
+// The first of slot c's two values (the other is + 2: the same column, the row 8 below).
+__device__ __forceinline__ constexpr int first_value_of(int slot) { return (slot & 1) + 4 * (slot >> 1); }
 __device__ __forceinline__ constexpr int column_of(int slot, int quad_lane) {
   return 2 * quad_lane + (slot & 1) + 8 * (slot >> 1);
 }
@@ -344,7 +346,7 @@ struct TransposedMainloop {
         float col_max[kTileSlots];
         CUTE_UNROLL
         for (int c = 0; c < kTileSlots; ++c) {
-          const int i = (c & 1) + 4 * (c >> 1);
+          const int i = first_value_of(c);
           float m = fmaxf(tSrS(i), tSrS(i + 2));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 4));
           m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 8));
