@@ -2,7 +2,8 @@
 //
 // Every SM part's CTA is replayed with the PieceRange calls of mainloop.h, in its order, without the math: the
 // prologue's first Q tile and first fill of each page buffer; then per piece, per pair of pages, the consumption
-// of page a (buffer 0) and page b (buffer 1), the refills computed for the pair (next_block), and the next Q
+// of page a (buffer 0) and page b (buffer 1), the refills computed for the pair (next_block_in_batch,
+// from the warp's batch of block-table entries), and the next Q
 // tile after the last pair. The trace goes to stdout; the test checks it against the plan's pieces and the block
 // table, so a wrong look-ahead (a buffer fed the wrong block, a page never fed, a stray copy at the end, a Q tile
 // for the wrong sequence) fails on any machine with nvcc, before a kernel runs.
@@ -41,10 +42,17 @@ void walk_part(const flash_mla::DecodeParams& p, int part) {
     printf("piece %d %d %d %d %d\n", piece.seq, piece.begin, piece.end, int(piece.split), piece.slot);
     const int num_pages = piece.num_pages();
     const flash_mla::PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
+    int lane_blocks[flash_mla::PieceRange<>::kBatchPages] = {};    // a warp's batch (the kernel: one per lane)
+    const auto lane_value = [&](int lane) { return lane_blocks[lane]; };
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
-      const flash_mla::PageBlock next_a = range.next_block(piece, page, 0, after_piece[0]);
-      const flash_mla::PageBlock next_b = range.next_block(piece, page + 1, 1, after_piece[1]);
+      if (page % flash_mla::PieceRange<>::kBatchPages == 0) {
+        for (int lane = 0; lane < flash_mla::PieceRange<>::kBatchPages; ++lane) {
+          lane_blocks[lane] = range.batch_block(piece, page, lane);
+        }
+      }
+      const flash_mla::PageBlock next_a = range.next_block_in_batch(piece, page, 0, after_piece[0], lane_value);
+      const flash_mla::PageBlock next_b = range.next_block_in_batch(piece, page, 1, after_piece[1], lane_value);
       printf("page %d %d 0\n", seq, page);
       if (has_b) printf("page %d %d 1\n", seq, page + 1);
       if (page + 2 >= num_pages) printf("q %d\n", range.next_seq_using(piece.seq + 1, 0));

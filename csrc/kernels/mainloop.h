@@ -626,13 +626,27 @@ struct SplitKvMainloop {
     const PageBlock after_piece[2] = {
         out_by_tma && last_stage == 0 ? kNoBlock : range.first_block_after(piece, 0),
         out_by_tma && last_stage == 1 ? kNoBlock : range.first_block_after(piece, 1)};
+    // Dense: the block table is read a warp at a time (tile_scheduler.h batch_block: lane l the block of page
+    // page + 2 + l), every 16 pairs at a pair's top, and each refill takes its block by one shuffle where it is
+    // issued (the load's latency passes under S and the softmax), instead of every thread's own ~12-instruction
+    // lookup per buffer and pair.
+    int lane_blocks = 0;
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
-      // What the two buffers receive once this pair is done with them, looked up now so that the block-table
-      // reads are not on the refills' path.
-      const PageBlock next_a = range.next_block(piece, page, 0, after_piece[0]);
-      const PageBlock next_b = range.next_block(piece, page + 1, 1, after_piece[1]);
+      if (!Traits::kSparse && page % Range::kBatchPages == 0) {
+        lane_blocks = range.batch_block(piece, page, threadIdx.x % 32);
+      }
+      // What buffer `stage` receives once this pair is done with it: page page + 2 + stage of the piece, or the
+      // next piece's first page for that buffer (sparse: this thread's index of it).
+      auto next_block = [&](int stage) {
+        if constexpr (Traits::kSparse) {
+          return range.next_block(piece, page + stage, stage, after_piece[stage]);
+        } else {
+          return range.next_block_in_batch(piece, page, stage, after_piece[stage],
+                                           [&](int lane) { return shuffle_here(lane_blocks, lane); });
+        }
+      };
       stamp(page, kProbePairStart, probe_clock());
 
       if constexpr (kRole == WarpgroupRole::kPageA) {
@@ -645,7 +659,7 @@ struct SplitKvMainloop {
         stamp(page, kProbeUnitsLanded, phases.units_landed);
         stamp(page, kProbeSDone, probe_clock());
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
-        if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_block(0), kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
@@ -687,7 +701,7 @@ struct SplitKvMainloop {
         stamp(page, kProbePaVaIssuing, probe_clock());
         issue_pv(tOrPa, tOrVa, tOrO);
         stamp(page, kProbePaVaIssued, probe_clock());
-        if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_block(0), kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) {
           static_assert(Widening::widened_by_page_a(1, 0), "page b's left V half is kPageA's to widen");
           if (has_b) {    // page b's left V half, which only P_b V_b reads: widened here, in the wait for P_b
@@ -723,13 +737,13 @@ struct SplitKvMainloop {
           stamp(page, kProbePvIssued, probe_clock());
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
+          refill(p, smem, 0, next_block(0), kv_head, 0, kVHalfUnits);
           stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
+          refill(p, smem, 1, next_block(1), kv_head, 0, kVHalfUnits);
         } else {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
+          refill(p, smem, 0, next_block(0), kv_head, 0, kVHalfUnits);
         }
         stamp(page, kProbePairEnd, probe_clock());
         stats.max[0] = m_b[0];
@@ -750,7 +764,7 @@ struct SplitKvMainloop {
           if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
           stamp(page, kProbeUnitsLanded, phases.units_landed);
           stamp(page, kProbeSDone, probe_clock());
-          if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_block(1), kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
@@ -826,16 +840,16 @@ struct SplitKvMainloop {
           stamp(page, kProbePbVbIssuing, probe_clock());
           issue_pv(tOrPb, tOrVb, tOrO);
           stamp(page, kProbePvIssued, probe_clock());
-          if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_block(1), kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
           stamp(page, kProbePaVaDone, probe_clock());
-          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 0, next_block(0), kv_head, kVHalfUnits, kVHalfUnits);
           stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 1, next_block(1), kv_head, kVHalfUnits, kVHalfUnits);
         } else {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 0, next_block(0), kv_head, kVHalfUnits, kVHalfUnits);
         }
         stamp(page, kProbePairEnd, probe_clock());
       }

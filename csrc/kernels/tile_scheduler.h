@@ -108,6 +108,21 @@ class PieceRange {
     return page_block(current.seq, current.begin / kPageBlockSize + page, current.split, current.end);
   }
 
+  // Dense, the pair loop's lookups a warp at a time: at the top of every kBatchPairs-th pair (page % kBatchPages ==
+  // 0) lane l reads batch_block(current, page, l), the block of page page + 2 + l (0 past the piece's pages); a
+  // refill of buffer `stage` after pair `page` then takes lane page % kBatchPages + stage's value (`lane_value`:
+  // a shuffle in the kernel) by next_block_in_batch, which equals next_block(current, page + stage, stage, after).
+  static constexpr int kBatchPages = 32;
+  FLASH_MLA_HOST_DEVICE int batch_block(const Piece& current, int page, int lane) const {
+    return page + 2 + lane < current.num_pages() ? page_of(current, page + 2 + lane).block : 0;
+  }
+  template <class LaneValue>
+  FLASH_MLA_HOST_DEVICE PageBlock next_block_in_batch(const Piece& current, int page, int stage, PageBlock after,
+                                                      LaneValue lane_value) const {
+    const int block = lane_value(page % kBatchPages + stage);    // every lane takes part, whichever branch follows
+    return page + 2 + stage < current.num_pages() ? PageBlock{block, true, current.split} : after;
+  }
+
   // Physical block of the page buffer `stage` receives after page `page` of `current` (which it holds now);
   // `after` = first_block_after(current, stage), looked up once per piece so that the pair loop holds no
   // search over the following pieces (cold code between its hot blocks costs instruction fetches).

@@ -66,6 +66,14 @@ __device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 in) {
 }
 
 // The four lanes of a quad hold the columns of the same accumulator rows.
+// lane `src_lane`'s `value`, where it is written: a volatile asm keeps the shuffle (and so the wait for `value`, maybe
+// a load in flight) at its place among the WGMMAs and barriers instead of moving it up next to the load.
+__device__ __forceinline__ int shuffle_here(int value, int src_lane) {
+  int out;
+  asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=r"(out) : "r"(value), "r"(src_lane));
+  return out;
+}
+
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
