@@ -125,57 +125,49 @@ struct TransposedEpilogue {
       inv = seen ? scales.out / total[c] : 0.f;
       if (!piece.split && seen && p.attn_sink != nullptr) inv /= 1.f + expf(p.attn_sink[smem.row_head[row]] - lse);
     };
-    if (!piece.split) {
-      // out is bf16, or with an fp16 q fp16 (the binding's out dtype)
-      auto write_out = [&](auto pair_tag) {
-        using Pair = decltype(pair_tag);
-        uint16_t* out = static_cast<uint16_t*>(p.out) + ResultRow::seq_out_offset(p, piece.seq) + dims;
-        float* lse_out = p.lse + ResultRow::seq_lse_offset(p, piece.seq);
-        CUTE_UNROLL
-        for (int c = 0; c < kSlots; ++c) {
-          const int row = column_of(c, quad_lane);    // the packed query row
-          if (row >= p.rows_per_kv) continue;
-          float lse, inv;
-          normalise(c, row, lse, inv);
-          const int i = first_value_of(c);            // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
-          uint16_t* out_row = out + smem.row_out[row];
-          CUTE_UNROLL
-          for (int k = 0; k < kHalf; ++k) {
-            *reinterpret_cast<Pair*>(out_row + 64 * k) = to_pair<Pair>(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
-          }
-          if (writes_lse) lse_out[smem.row_lse[row]] = lse;
-        }
-      };
-      if (Traits::kWideQ && !p.out_bf16) {
-        write_out(__half2{});
-      } else {
-        write_out(__nv_bfloat162{});
-      }
-    } else {
-      const int64_t slot_row = partial_row(p, piece.slot, kv_head, 0);
-      float* out = p.o_partial + slot_row * kHeadDimV + dims;
-      float* lse_out = p.lse_partial + slot_row;
+    // The slots' rows of this thread, into `out` (Pair: two 16-bit values of out, or a float2 of a split piece's fp32
+    // partials) at out_offset(row) + 64 k for dim block k, and lse into lse_out at lse_offset(row).
+    auto write_rows = [&](auto pair_tag, auto* out, float* lse_out, auto out_offset, auto lse_offset) {
+      using Pair = decltype(pair_tag);
       CUTE_UNROLL
       for (int c = 0; c < kSlots; ++c) {
-        const int row = column_of(c, quad_lane);
+        const int row = column_of(c, quad_lane);    // the packed query row
         if (row >= p.rows_per_kv) continue;
         float lse, inv;
         normalise(c, row, lse, inv);
-        const int i = first_value_of(c);
-        float* out_row = out + row * kHeadDimV;
+        const int i = first_value_of(c);            // the slot's values: i (dim 2 g) and i + 2 (dim 2 g + 1)
+        auto* out_row = out + out_offset(row);
         CUTE_UNROLL
         for (int k = 0; k < kHalf; ++k) {
-          *reinterpret_cast<float2*>(out_row + 64 * k) = make_float2(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
+          *reinterpret_cast<Pair*>(out_row + 64 * k) = to_pair<Pair>(tOrO(i, k, 0) * inv, tOrO(i + 2, k, 0) * inv);
         }
-        if (writes_lse) lse_out[row] = lse;
+        if (writes_lse) lse_out[lse_offset(row)] = lse;
       }
+    };
+    if (!piece.split) {
+      // out is bf16, or with an fp16 q fp16 (the binding's out dtype); rows at the CTA's row table's offsets
+      uint16_t* out = static_cast<uint16_t*>(p.out) + ResultRow::seq_out_offset(p, piece.seq) + dims;
+      float* lse_out = p.lse + ResultRow::seq_lse_offset(p, piece.seq);
+      const auto out_offset = [&](int row) { return smem.row_out[row]; };
+      const auto lse_offset = [&](int row) { return smem.row_lse[row]; };
+      if (Traits::kWideQ && !p.out_bf16) {
+        write_rows(__half2{}, out, lse_out, out_offset, lse_offset);
+      } else {
+        write_rows(__nv_bfloat162{}, out, lse_out, out_offset, lse_offset);
+      }
+    } else {
+      const int64_t slot_row = partial_row(p, piece.slot, kv_head, 0);
+      write_rows(float2{}, p.o_partial + slot_row * kHeadDimV + dims, p.lse_partial + slot_row,
+                 [](int row) { return row * kHeadDimV; }, [](int row) { return row; });
     }
   }
 
  private:
   template <class Pair>
   __device__ __forceinline__ static Pair to_pair(float a, float b) {
-    if constexpr (std::is_same_v<Pair, __half2>) {
+    if constexpr (std::is_same_v<Pair, float2>) {
+      return make_float2(a, b);
+    } else if constexpr (std::is_same_v<Pair, __half2>) {
       return __floats2half2_rn(a, b);
     } else {
       return __floats2bfloat162_rn(a, b);
