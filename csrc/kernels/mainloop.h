@@ -638,10 +638,13 @@ struct SplitKvMainloop {
         lane_blocks = range.batch_block(piece, page, threadIdx.x % 32);
       }
       // What buffer `stage` receives once this pair is done with it: page page + 2 + stage of the piece, or the
-      // next piece's first page for that buffer (sparse: this thread's index of it).
+      // next piece's first page for that buffer. Sparse: looked up here (the gather's index loads go out early).
+      const PageBlock sparse_next[2] = {
+          Traits::kSparse ? range.next_block(piece, page, 0, after_piece[0]) : kNoBlock,
+          Traits::kSparse ? range.next_block(piece, page + 1, 1, after_piece[1]) : kNoBlock};
       auto next_block = [&](int stage) {
         if constexpr (Traits::kSparse) {
-          return range.next_block(piece, page + stage, stage, after_piece[stage]);
+          return sparse_next[stage];
         } else {
           return range.next_block_in_batch(piece, page, stage, after_piece[stage],
                                            [&](int lane) { return shuffle_here(lane_blocks, lane); });
