@@ -42,17 +42,18 @@ void walk_part(const flash_mla::DecodeParams& p, int part) {
     printf("piece %d %d %d %d %d\n", piece.seq, piece.begin, piece.end, int(piece.split), piece.slot);
     const int num_pages = piece.num_pages();
     const flash_mla::PageBlock after_piece[2] = {range.first_block_after(piece, 0), range.first_block_after(piece, 1)};
-    int lane_blocks[flash_mla::PieceRange<>::kBatchPages] = {};    // a warp's batch (the kernel: one per lane)
+    constexpr int kBatch = flash_mla::PieceRange<>::kBatchPages;
+    int lane_blocks[kBatch];    // a warp's batch (the kernel: one per lane)
+    const auto read_batch = [&](int first) {
+      for (int lane = 0; lane < kBatch; ++lane) lane_blocks[lane] = range.batch_block(piece, first, lane);
+    };
     const auto lane_value = [&](int lane) { return lane_blocks[lane]; };
+    read_batch(0);
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
-      if (page % flash_mla::PieceRange<>::kBatchPages == 0) {
-        for (int lane = 0; lane < flash_mla::PieceRange<>::kBatchPages; ++lane) {
-          lane_blocks[lane] = range.batch_block(piece, page, lane);
-        }
-      }
       const flash_mla::PageBlock next_a = range.next_block_in_batch(piece, page, 0, after_piece[0], lane_value);
       const flash_mla::PageBlock next_b = range.next_block_in_batch(piece, page, 1, after_piece[1], lane_value);
+      if (page % kBatch == kBatch - 2) read_batch(page + 2);
       printf("page %d %d 0\n", seq, page);
       if (has_b) printf("page %d %d 1\n", seq, page + 1);
       if (page + 2 >= num_pages) printf("q %d\n", range.next_seq_using(piece.seq + 1, 0));

@@ -627,22 +627,18 @@ struct SplitKvMainloop {
         out_by_tma && last_stage == 0 ? kNoBlock : range.first_block_after(piece, 0),
         out_by_tma && last_stage == 1 ? kNoBlock : range.first_block_after(piece, 1)};
     // Dense: the block table is read a warp at a time (tile_scheduler.h batch_block: lane l the block of page
-    // page + 2 + l), every 16 pairs at a pair's top, and each refill takes its block by one shuffle where it is
-    // issued (the load's latency passes under S and the softmax), instead of every thread's own ~12-instruction
-    // lookup per buffer and pair.
-    int lane_blocks = 0;
+    // first + 2 + l), a pair before the batch is first used: before the loop, then at the top of each pair whose
+    // page % 32 is 30, after that pair's own blocks were taken. Each pair takes its two blocks by one shuffle each
+    // at its top (pinned there by shuffle_here, off the refills' path), instead of every thread's own
+    // ~12-instruction lookup per buffer and pair.
+    int lane_blocks = Traits::kSparse ? 0 : range.batch_block(piece, 0, threadIdx.x % 32);
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
-      if (!Traits::kSparse && page % Range::kBatchPages == 0) {
-        lane_blocks = range.batch_block(piece, page, threadIdx.x % 32);
-      }
-      // What buffer `stage` receives once this pair is done with it: page page + 2 + stage of the piece, or the
-      // next piece's first page for that buffer. Sparse: looked up here (the gather's index loads go out early).
       const PageBlock sparse_next[2] = {
           Traits::kSparse ? range.next_block(piece, page, 0, after_piece[0]) : kNoBlock,
           Traits::kSparse ? range.next_block(piece, page + 1, 1, after_piece[1]) : kNoBlock};
-      auto next_block = [&](int stage) {
+      auto lookup = [&](int stage) {
         if constexpr (Traits::kSparse) {
           return sparse_next[stage];
         } else {
@@ -650,6 +646,11 @@ struct SplitKvMainloop {
                                            [&](int lane) { return shuffle_here(lane_blocks, lane); });
         }
       };
+      const PageBlock next_blocks[2] = {lookup(0), lookup(1)};
+      if (!Traits::kSparse && page % Range::kBatchPages == Range::kBatchPages - 2) {
+        lane_blocks = range.batch_block(piece, page + 2, threadIdx.x % 32);
+      }
+      auto next_block = [&](int stage) { return next_blocks[stage]; };
       stamp(page, kProbePairStart, probe_clock());
 
       if constexpr (kRole == WarpgroupRole::kPageA) {

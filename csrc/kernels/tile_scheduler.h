@@ -108,13 +108,14 @@ class PieceRange {
     return page_block(current.seq, current.begin / kPageBlockSize + page, current.split, current.end);
   }
 
-  // Dense, the pair loop's lookups a warp at a time: at the top of every kBatchPairs-th pair (page % kBatchPages ==
-  // 0) lane l reads batch_block(current, page, l), the block of page page + 2 + l (0 past the piece's pages); a
-  // refill of buffer `stage` after pair `page` then takes lane page % kBatchPages + stage's value (`lane_value`:
-  // a shuffle in the kernel) by next_block_in_batch, which equals next_block(current, page + stage, stage, after).
+  // Dense, the pair loop's lookups a warp at a time: lane l reads batch_block(current, first, l), the block of page
+  // first + 2 + l (0 past the piece's pages), for first = 0 before the loop and first = page + 2 after the pair
+  // `page` with page % kBatchPages == kBatchPages - 2 took its blocks; pair `page` takes buffer `stage`'s block from
+  // lane page % kBatchPages + stage (`lane_value`: a shuffle in the kernel) by next_block_in_batch, which equals
+  // next_block(current, page + stage, stage, after).
   static constexpr int kBatchPages = 32;
-  FLASH_MLA_HOST_DEVICE int batch_block(const Piece& current, int page, int lane) const {
-    return page + 2 + lane < current.num_pages() ? page_of(current, page + 2 + lane).block : 0;
+  FLASH_MLA_HOST_DEVICE int batch_block(const Piece& current, int first, int lane) const {
+    return first + 2 + lane < current.num_pages() ? page_of(current, first + 2 + lane).block : 0;
   }
   template <class LaneValue>
   FLASH_MLA_HOST_DEVICE PageBlock next_block_in_batch(const Piece& current, int page, int stage, PageBlock after,
