@@ -635,22 +635,20 @@ struct SplitKvMainloop {
     for (int page = 0; page < num_pages; page += 2) {
       const bool has_b = page + 1 < num_pages;
       const int key0 = piece.begin + page * kBlockN;    // first key of page a
-      const PageBlock sparse_next[2] = {
-          Traits::kSparse ? range.next_block(piece, page, 0, after_piece[0]) : kNoBlock,
-          Traits::kSparse ? range.next_block(piece, page + 1, 1, after_piece[1]) : kNoBlock};
-      auto lookup = [&](int stage) {
+      // What the two buffers receive once this pair is done with them: pages page + 2 and page + 3 of the piece, or
+      // the next piece's first page for that buffer (sparse: this thread's index of it, its load issued here).
+      auto next_block = [&](int stage) {
         if constexpr (Traits::kSparse) {
-          return sparse_next[stage];
+          return range.next_block(piece, page + stage, stage, after_piece[stage]);
         } else {
           return range.next_block_in_batch(piece, page, stage, after_piece[stage],
                                            [&](int lane) { return shuffle_here(lane_blocks, lane); });
         }
       };
-      const PageBlock next_blocks[2] = {lookup(0), lookup(1)};
+      const PageBlock next_a = next_block(0), next_b = next_block(1);
       if (!Traits::kSparse && page % Range::kBatchPages == Range::kBatchPages - 2) {
         lane_blocks = range.batch_block(piece, page + 2, threadIdx.x % 32);
       }
-      auto next_block = [&](int stage) { return next_blocks[stage]; };
       stamp(page, kProbePairStart, probe_clock());
 
       if constexpr (kRole == WarpgroupRole::kPageA) {
@@ -663,7 +661,7 @@ struct SplitKvMainloop {
         stamp(page, kProbeUnitsLanded, phases.units_landed);
         stamp(page, kProbeSDone, probe_clock());
         // The RoPE unit is free once S is; its refill goes out now or after P_a V_a's issue (kRopeRefillAfterS).
-        if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_block(0), kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         Tensor S = as_rows_cols(tSrS);                                                         // (ROW, COL)
         float m_a[kRowsPerThread], scale[kRowsPerThread], rowsum_a[kRowsPerThread];
         if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[0][phases.page[0]]);
@@ -705,7 +703,7 @@ struct SplitKvMainloop {
         stamp(page, kProbePaVaIssuing, probe_clock());
         issue_pv(tOrPa, tOrVa, tOrO);
         stamp(page, kProbePaVaIssued, probe_clock());
-        if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_block(0), kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
+        if constexpr (!kRopeRefillAfterS) refill(p, smem, 0, next_a, kv_head, kRopeUnit, 1, phases.page[0] ^ 1);
         if constexpr (Traits::kE4m3Scores) {
           static_assert(Widening::widened_by_page_a(1, 0), "page b's left V half is kPageA's to widen");
           if (has_b) {    // page b's left V half, which only P_b V_b reads: widened here, in the wait for P_b
@@ -741,13 +739,13 @@ struct SplitKvMainloop {
           stamp(page, kProbePvIssued, probe_clock());
           // P_a V_a is complete (waited for above): V_a[:, 0:256] is free. Refilled only now, after P_b V_b's issue:
           // one thread's TMA issues before it cost 3 % (docs/PERF.md).
-          refill(p, smem, 0, next_block(0), kv_head, 0, kVHalfUnits);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
           stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 1, next_block(1), kv_head, 0, kVHalfUnits);
+          refill(p, smem, 1, next_b, kv_head, 0, kVHalfUnits);
         } else {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 0, next_block(0), kv_head, 0, kVHalfUnits);
+          refill(p, smem, 0, next_a, kv_head, 0, kVHalfUnits);
         }
         stamp(page, kProbePairEnd, probe_clock());
         stats.max[0] = m_b[0];
@@ -768,7 +766,7 @@ struct SplitKvMainloop {
           if (page == 0) probe_time(p, probe_piece_slot(phases.pieces, kProbeFirstS));
           stamp(page, kProbeUnitsLanded, phases.units_landed);
           stamp(page, kProbeSDone, probe_clock());
-          if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_block(1), kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           if constexpr (Traits::kSparse) mask_empty_slots(S, tScS, smem.key_valid[1][phases.page[1]]);
           float page_max[kRowsPerThread];
           mask_and_row_max(S, tScS, key0 + kBlockN, piece.end, last_visible, page_max);
@@ -844,16 +842,16 @@ struct SplitKvMainloop {
           stamp(page, kProbePbVbIssuing, probe_clock());
           issue_pv(tOrPb, tOrVb, tOrO);
           stamp(page, kProbePvIssued, probe_clock());
-          if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_block(1), kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
+          if constexpr (!kRopeRefillAfterS) refill(p, smem, 1, next_b, kv_head, kRopeUnit, 1, phases.page[1] ^ 1);
           probe_timed(phases.waits.pv, [] { warpgroup_wait<1>(); });    // P_a V_a done: V_a[:, 256:512] is free
           stamp(page, kProbePaVaDone, probe_clock());
-          refill(p, smem, 0, next_block(0), kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
           stamp(page, kProbeVRefillIssued, probe_clock());
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 1, next_block(1), kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 1, next_b, kv_head, kVHalfUnits, kVHalfUnits);
         } else {
           probe_timed(phases.waits.pv, [&] { wait_pv(tOrO); });
-          refill(p, smem, 0, next_block(0), kv_head, kVHalfUnits, kVHalfUnits);
+          refill(p, smem, 0, next_a, kv_head, kVHalfUnits, kVHalfUnits);
         }
         stamp(page, kProbePairEnd, probe_clock());
       }
