@@ -2,11 +2,11 @@
 //
 // Every SM part's CTA is replayed with the PieceRange calls of mainloop.h, in its order, without the math: the
 // prologue's first Q tile and first fill of each page buffer; then per piece, per pair of pages, the consumption
-// of page a (buffer 0) and page b (buffer 1), the refills computed for the pair (next_block_in_batch,
-// from the warp's batch of block-table entries), and the next Q
-// tile after the last pair. The trace goes to stdout; the test checks it against the plan's pieces and the block
-// table, so a wrong look-ahead (a buffer fed the wrong block, a page never fed, a stray copy at the end, a Q tile
-// for the wrong sequence) fails on any machine with nvcc, before a kernel runs.
+// of page a (buffer 0) and page b (buffer 1), the refills computed for the pair (next_block_in_batch, from the
+// warp's batch of block-table entries, read when the kernel reads it), and the next Q tile after the last pair. The
+// trace goes to stdout; the test checks it against the plan's pieces and the block table, so a wrong look-ahead (a
+// buffer fed the wrong block, a page never fed, a stray copy at the end, a Q tile for the wrong sequence, a batch read
+// too late or for the wrong pages) fails on any machine with nvcc, before a kernel runs.
 //
 // stdin, whitespace-separated integers:
 //   batch num_parts max_blocks

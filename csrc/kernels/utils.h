@@ -65,15 +65,16 @@ __device__ __forceinline__ uint4 bf16x8_to_f16x8(uint4 in) {
   return in;
 }
 
-// The four lanes of a quad hold the columns of the same accumulator rows.
-// lane `src_lane`'s `value`, where it is written: a volatile asm keeps the shuffle (and so the wait for `value`, maybe
-// a load in flight) at its place among the WGMMAs and barriers instead of moving it up next to the load.
+// Lane `src_lane`'s `value` (every lane of the warp takes part), shuffled where it is written: a volatile asm keeps
+// it at its place among the WGMMAs and barriers, where the compiler would move a plain shuffle down to its value's
+// use (there the result's latency, and the wait for `value`'s load, would sit on the path to a copy's issue).
 __device__ __forceinline__ int shuffle_here(int value, int src_lane) {
   int out;
   asm volatile("shfl.sync.idx.b32 %0, %1, %2, 0x1f, 0xffffffff;\n" : "=r"(out) : "r"(value), "r"(src_lane));
   return out;
 }
 
+// The four lanes of a quad hold the columns of the same accumulator rows.
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
   return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
