@@ -7,6 +7,7 @@
 //   nvcc -O3 -std=c++17 -gencode arch=compute_90a,code=sm_90a benchmarks/page_stream.cu -o /tmp/page_stream
 //   /tmp/page_stream            # one row per config: median of 9 runs, GB/s, first page's landing time
 //   /tmp/page_stream --refills  # the single-refill table alone
+//   /tmp/page_stream --compare  # the copy patterns side by side alone (box9 / bulk9 / cpa16 / half3 / page1)
 //
 // A second table times single refills (refill_latency): a CTA issues `boxes` 8 KiB boxes of one page at once (1: a
 // unit, 4: a V half, 9: a page) and waits for them, one refill at a time, clock64 cycles from the first issue to
@@ -19,7 +20,16 @@
 // Patterns:
 //   box9     nine 64-column x 64-row TMA boxes a page, 128-byte swizzle (what the split kernel issues)
 //   bulk9    nine contiguous 8 KiB bulk copies a page (cp.async.bulk: no tensor map, no swizzle)
-// each with the evict-first L2 hint (ef) or none, and for box9 the tensor map's L2 promotion (none/128/256).
+//   cpa16    the page by 16-byte cp.async.cg from the CTA's 32 lanes, token row after token row (a warp
+//            instruction reads 512 contiguous bytes), into the 128-byte-swizzled segments box9 writes; completion
+//            by one cp.async.mbarrier.arrive.noinc a lane (the load path of a cp.async kernel)
+//   half3    the page as (64 columns, 8 tokens, 9 segments, 8 token groups) by a 5-D tensor map: three boxes, each V
+//            half {64, 8, 4, 8} (global: 8 token rows' 512 contiguous bytes a token group) and the RoPE columns
+//            {64, 8, 1, 8}, into [group][segment][token][128 B] regions (a K-major SW128 layout whose 8-row atoms
+//            lie 4 KiB / 1 KiB apart: WGMMA descriptors express it with that stride byte offset)
+//   page1    the same map, one box {64, 8, 9, 8} a page: each token group's 9 KiB read contiguously
+// each with the evict-first L2 hint (ef) or none, and for box9 the tensor map's L2 promotion (none/128/256; half3
+// and page1 take 256).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -38,7 +48,7 @@ constexpr int kSegBytes = kPageRows * kSegCols * 2;                             
 constexpr int kPageBytes = kSegments * kSegBytes;                                           // 72 KiB
 constexpr int kMaxDepth = 3;
 
-enum Pattern : int { kBox9 = 0, kBulk9 = 1 };
+enum Pattern : int { kBox9 = 0, kBulk9 = 1, kCpAsync16 = 2, kHalf3 = 3, kPage1 = 4 };
 
 struct Config {
   int pattern, depth, pages_per_cta, evict_first, hold_ns;
@@ -58,12 +68,51 @@ __device__ void wait_parity(uint32_t bar, uint32_t parity) {
       " @!p bra LAB_WAIT;\n}\n" ::"r"(bar), "r"(parity) : "memory");
 }
 
-// Segments [0, segments) of one page (cache page `page`; the whole page by default) into buffer `dst`, completing
-// on mbarrier `bar`.
+// One box of a 5-D map (columns, tokens of a group, segments, token groups, pages) from segment `seg` of `page`.
+__device__ void issue_box5(const CUtensorMap* map, uint32_t dst, uint32_t bar, int seg, int page, uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.L2::cache_hint"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2], %8;" ::"r"(dst), "l"(map), "r"(bar), "r"(0), "r"(0), "r"(seg), "r"(0),
+      "r"(page), "l"(policy) : "memory");
+}
+
+struct GroupMaps {    // the 5-D maps of half3 / page1: boxes of 4 (a V half), 1 (RoPE) and 9 segments
+  CUtensorMap half, rope, page;
+};
+
+// Segments [0, segments) of one page (cache page `page`; the whole page by default; box9 and bulk9 only) into
+// buffer `dst`, completing on mbarrier `bar`.
 __device__ void issue_page(const CUtensorMap* tmap, const char* cache, int pattern, bool evict_first, uint32_t dst,
-                           uint32_t bar, int page, int segments = kSegments) {
+                           uint32_t bar, int page, int segments = kSegments, const GroupMaps* groups = nullptr) {
   uint64_t policy;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  if (pattern == kHalf3 || pattern == kPage1) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(kPageBytes) : "memory");
+    if (pattern == kPage1) {
+      issue_box5(&groups->page, dst, bar, 0, page, policy);
+    } else {
+      issue_box5(&groups->half, dst, bar, 0, page, policy);                    // V[:, 0:256]: 32 KiB
+      issue_box5(&groups->half, dst + 4 * kSegBytes, bar, 4, page, policy);    // V[:, 256:512]
+      issue_box5(&groups->rope, dst + 8 * kSegBytes, bar, 8, page, policy);    // RoPE: 8 KiB
+    }
+    return;
+  }
+  if (pattern == kCpAsync16) {    // every lane: chunk k = 16 bytes, token k / 72, chunk k % 72 of its 1152-byte row
+    constexpr int kRowChunks = kCols * 2 / 16, kPageChunks = kPageRows * kRowChunks;    // 72, 4608
+    const char* src = cache + int64_t(page) * kPageBytes;
+    for (int k = threadIdx.x % 32; k < kPageChunks; k += 32) {
+      const int row = k / kRowChunks, seg = k % kRowChunks / 8, chunk = k % 8;
+      const uint32_t d = dst + seg * kSegBytes + row * 128 + ((chunk ^ (row % 8)) * 16);
+      if (evict_first) {
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;" ::"r"(d), "l"(src + k * 16),
+                     "l"(policy) : "memory");
+      } else {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src + k * 16) : "memory");
+      }
+    }
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+    return;
+  }
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(segments * kSegBytes)
                : "memory");
   for (int s = 0; s < segments; ++s) {
@@ -95,24 +144,29 @@ __device__ void issue_page(const CUtensorMap* tmap, const char* cache, int patte
   }
 }
 
-// One thread per CTA does everything: `depth` buffers, each refilled with the CTA's next page once the page in it
+// One thread per CTA (cpa16: one warp) does everything: `depth` buffers, each refilled with the CTA's next page once the page in it
 // has landed and been held for hold_ns. first_land[cta] = ns from this CTA's entry to its first page's landing.
-__global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CUtensorMap tmap, const char* cache,
+__global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CUtensorMap tmap,
+                                                      const __grid_constant__ GroupMaps groups, const char* cache,
                                                       const int* page_list, Config cfg, uint64_t* first_land) {
   extern __shared__ __align__(1024) char smem[];
   __shared__ alignas(8) uint64_t full[kMaxDepth];
-  if (threadIdx.x != 0) return;
+  const bool warp_copies = cfg.pattern == kCpAsync16;    // cp.async: all 32 lanes copy and wait; else thread 0
+  if (threadIdx.x != 0 && !warp_copies) return;
   const uint64_t t_entry = globaltimer();
   const uint32_t buf0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
   const int* pages = page_list + int64_t(blockIdx.x) * cfg.pages_per_cta;
-  for (int b = 0; b < cfg.depth; ++b) {
-    const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full[b]));
-    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar));
+  if (threadIdx.x == 0) {
+    for (int b = 0; b < cfg.depth; ++b) {
+      const uint32_t bar = static_cast<uint32_t>(__cvta_generic_to_shared(&full[b]));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(warp_copies ? 32 : 1));
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  __syncwarp();
   for (int b = 0; b < cfg.depth && b < cfg.pages_per_cta; ++b) {
     issue_page(&tmap, cache, cfg.pattern, cfg.evict_first, buf0 + b * kPageBytes,
-               static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), pages[b]);
+               static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), pages[b], kSegments, &groups);
   }
   uint32_t parity[kMaxDepth] = {0, 0, 0};
   const int step = cfg.pairs ? 2 : 1;    // pages waited for, held and refilled together
@@ -122,7 +176,7 @@ __global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CU
       wait_parity(static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), parity[b]);
       parity[b] ^= 1;
     }
-    if (i == 0) first_land[blockIdx.x] = globaltimer() - t_entry;
+    if (i == 0 && threadIdx.x == 0) first_land[blockIdx.x] = globaltimer() - t_entry;
     if (cfg.hold_ns > 0) {
       const uint64_t until = globaltimer() + cfg.hold_ns;
       while (globaltimer() < until) {}
@@ -130,7 +184,7 @@ __global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CU
     for (int j = i; j < i + step && j + cfg.depth < cfg.pages_per_cta; ++j) {
       const int b = j % cfg.depth;
       issue_page(&tmap, cache, cfg.pattern, cfg.evict_first, buf0 + b * kPageBytes,
-                 static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), pages[j + cfg.depth]);
+                 static_cast<uint32_t>(__cvta_generic_to_shared(&full[b])), pages[j + cfg.depth], kSegments, &groups);
     }
   }
 }
@@ -185,8 +239,27 @@ static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion 
   return map;
 }
 
+// The 5-D view (64 columns, 8 tokens, 9 segments, 8 token groups, pages) with boxes of `box_segments` segments.
+static CUtensorMap make_group_map(void* cache, int num_pages, int box_segments) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found;
+  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
+  CUtensorMap map;
+  const cuuint64_t dims[5] = {kSegCols, 8, kSegments, kPageRows / 8, cuuint64_t(num_pages)};
+  const cuuint64_t strides[4] = {kCols * 2, kSegCols * 2, 8 * kCols * 2, kPageBytes};
+  const cuuint32_t box[5] = {kSegCols, 8, cuuint32_t(box_segments), kPageRows / 8, 1};
+  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
+  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, cache, dims, strides, box,
+                                                  elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled (5-D) failed: %d\n", int(r)); std::exit(1); }
+  return map;
+}
+
 int main(int argc, char** argv) {
   const bool refills_only = argc > 1 && std::string(argv[1]) == "--refills";    // the second table alone
+  const bool compare_only = argc > 1 && std::string(argv[1]) == "--compare";    // box9 / bulk9 / cpa16 alone
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
@@ -211,6 +284,8 @@ int main(int argc, char** argv) {
                                make_tmap(cache, num_pages, CU_TENSOR_MAP_L2_PROMOTION_L2_128B),
                                make_tmap(cache, num_pages, CU_TENSOR_MAP_L2_PROMOTION_NONE)};
   const char* promo_names[3] = {"256", "128", "none"};
+  const GroupMaps groups{make_group_map(cache, num_pages, 4), make_group_map(cache, num_pages, 1),
+                         make_group_map(cache, num_pages, kSegments)};
   std::printf("# %s, %d SMs; one CTA per SM, random pages of %d bytes; median of 9 runs\n", prop.name, sms,
               kPageBytes);
   std::printf("%-6s %-5s %-3s %5s %5s %6s %5s %10s %8s %12s\n", "patt", "promo", "ef", "depth", "pairs", "pages",
@@ -218,7 +293,15 @@ int main(int argc, char** argv) {
 
   struct Row { int pattern, promo, ef, depth, pairs, pages, hold; };
   std::vector<Row> rows;
+  for (int pages : {62, 248}) {    // the copy mechanisms side by side (all runs of the table take evict-first)
+    for (int pattern : {kBox9, kBulk9, kCpAsync16, kHalf3, kPage1}) {
+      rows.push_back({pattern, 0, 1, 2, 0, pages, 0});
+      rows.push_back({pattern, 0, 1, 3, 0, pages, 0});
+      rows.push_back({pattern, 0, 1, 2, 1, pages, 1600});    // the split kernel's pairs held ~its compute
+    }
+  }
   for (int pages : {4, 16, 62, 248}) {
+    if (compare_only) break;
     for (int depth : {1, 2, 3}) rows.push_back({kBox9, 0, 1, depth, 0, pages, 0});
     for (int hold : {800, 1600}) {
       rows.push_back({kBox9, 0, 1, 2, 0, pages, hold});
@@ -230,6 +313,7 @@ int main(int argc, char** argv) {
     rows.push_back({kBox9, 2, 1, 2, 0, pages, 0});
     rows.push_back({kBulk9, 0, 1, 2, 0, pages, 0});
     rows.push_back({kBulk9, 0, 1, 3, 0, pages, 0});
+    rows.push_back({kCpAsync16, 0, 1, 2, 0, pages, 0});
   }
   int window = 0;
   for (const Row& row : rows) {
@@ -246,7 +330,7 @@ int main(int argc, char** argv) {
       CHECK(cudaEventCreate(&a));
       CHECK(cudaEventCreate(&b));
       CHECK(cudaEventRecord(a));
-      stream_pages<<<sms, 32, kMaxDepth * kPageBytes>>>(maps[row.promo], cache, list, cfg, d_first);
+      stream_pages<<<sms, 32, kMaxDepth * kPageBytes>>>(maps[row.promo], groups, cache, list, cfg, d_first);
       CHECK(cudaEventRecord(b));
       CHECK(cudaEventSynchronize(b));
       CHECK(cudaGetLastError());
@@ -262,12 +346,14 @@ int main(int argc, char** argv) {
     std::sort(first_p50.begin(), first_p50.end());
     const double us = times[times.size() / 2];
     const double gbs = double(per_run) * kPageBytes / (us * 1e-6) / 1e9;
-    std::printf("%-6s %-5s %-3d %5d %5d %6d %5d %10.1f %8.0f %12.2f\n", row.pattern == kBox9 ? "box9" : "bulk9",
-                row.pattern == kBox9 ? promo_names[row.promo] : "-", row.ef, row.depth, row.pairs, row.pages, row.hold,
+    const char* pattern_names[5] = {"box9", "bulk9", "cpa16", "half3", "page1"};
+    std::printf("%-6s %-5s %-3d %5d %5d %6d %5d %10.1f %8.0f %12.2f\n", pattern_names[row.pattern],
+                row.pattern == kBox9 || row.pattern >= kHalf3 ? promo_names[row.promo] : "-", row.ef, row.depth, row.pairs, row.pages, row.hold,
                 us, gbs,
                 first_p50[first_p50.size() / 2]);
   }
 
+  if (compare_only) return 0;
   // Single refills: cycles from issue to landing.
   constexpr int kReps = 32, kWindow = 64;
   std::printf("\n# single refills (refill_latency): clock64 cycles from the first box's issue to the landing, "
