@@ -223,43 +223,40 @@ __global__ void __launch_bounds__(32, 1) refill_latency(const __grid_constant__ 
 
 using Encode = decltype(&cuTensorMapEncodeTiled);
 
-static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion promotion) {
+// A bf16 tensor map over the cache with the 128-byte swizzle (rank 4 or 5).
+template <int kRank>
+static CUtensorMap encode_map(void* cache, const cuuint64_t (&dims)[kRank], const cuuint64_t (&strides)[kRank - 1],
+                              const cuuint32_t (&box)[kRank], CUtensorMapL2promotion promotion) {
   void* fn = nullptr;
   cudaDriverEntryPointQueryResult found;
   CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
   CUtensorMap map;
-  const cuuint64_t dims[4] = {kCols, kPageRows, 1, cuuint64_t(num_pages)};
-  const cuuint64_t strides[3] = {kCols * 2, kPageBytes, kPageBytes};
-  const cuuint32_t box[4] = {kSegCols, kPageRows, 1, 1}, elem_strides[4] = {1, 1, 1, 1};
-  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 4, cache, dims, strides, box,
-                                                  elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+  cuuint32_t elem_strides[kRank];
+  for (cuuint32_t& e : elem_strides) e = 1;
+  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, kRank, cache, dims, strides,
+                                                  box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
                                                   CU_TENSOR_MAP_SWIZZLE_128B, promotion,
                                                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled failed: %d\n", int(r)); std::exit(1); }
+  if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled (rank %d) failed: %d\n", kRank, int(r)); std::exit(1); }
   return map;
 }
 
-// The 5-D view (64 columns, 8 tokens, 9 segments, 8 token groups, pages) with boxes of `box_segments` segments.
+// The split kernel's view: (576 columns, 64 tokens, 1 head, pages), 64 x 64 boxes.
+static CUtensorMap make_tmap(void* cache, int num_pages, CUtensorMapL2promotion promotion) {
+  return encode_map<4>(cache, {kCols, kPageRows, 1, cuuint64_t(num_pages)}, {kCols * 2, kPageBytes, kPageBytes},
+                       {kSegCols, kPageRows, 1, 1}, promotion);
+}
+
+// The token-group view (64 columns, 8 tokens, 9 segments, 8 token groups, pages), boxes of `box_segments` segments.
 static CUtensorMap make_group_map(void* cache, int num_pages, int box_segments) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found;
-  CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found));
-  CUtensorMap map;
-  const cuuint64_t dims[5] = {kSegCols, 8, kSegments, kPageRows / 8, cuuint64_t(num_pages)};
-  const cuuint64_t strides[4] = {kCols * 2, kSegCols * 2, 8 * kCols * 2, kPageBytes};
-  const cuuint32_t box[5] = {kSegCols, 8, cuuint32_t(box_segments), kPageRows / 8, 1};
-  const cuuint32_t elem_strides[5] = {1, 1, 1, 1, 1};
-  const CUresult r = reinterpret_cast<Encode>(fn)(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 5, cache, dims, strides, box,
-                                                  elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                                                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                                                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) { std::printf("cuTensorMapEncodeTiled (5-D) failed: %d\n", int(r)); std::exit(1); }
-  return map;
+  return encode_map<5>(cache, {kSegCols, 8, kSegments, kPageRows / 8, cuuint64_t(num_pages)},
+                       {kCols * 2, kSegCols * 2, 8 * kCols * 2, kPageBytes},
+                       {kSegCols, 8, cuuint32_t(box_segments), kPageRows / 8, 1}, CU_TENSOR_MAP_L2_PROMOTION_L2_256B);
 }
 
 int main(int argc, char** argv) {
   const bool refills_only = argc > 1 && std::string(argv[1]) == "--refills";    // the second table alone
-  const bool compare_only = argc > 1 && std::string(argv[1]) == "--compare";    // box9 / bulk9 / cpa16 alone
+  const bool compare_only = argc > 1 && std::string(argv[1]) == "--compare";    // the copy patterns alone
   int sms = 0;
   CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
