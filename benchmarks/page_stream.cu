@@ -28,8 +28,8 @@
 //            {64, 8, 1, 8}, into [group][segment][token][128 B] regions (a K-major SW128 layout whose 8-row atoms
 //            lie 4 KiB / 1 KiB apart: WGMMA descriptors express it with that stride byte offset)
 //   page1    the same map, one box {64, 8, 9, 8} a page: each token group's 9 KiB read contiguously
-// each with the evict-first L2 hint (ef) or none, and for box9 the tensor map's L2 promotion (none/128/256; half3
-// and page1 take 256).
+// each with the evict-first L2 hint (ef) or none (half3 and page1: always evict-first), and for box9 the tensor
+// map's L2 promotion (none/128/256; half3 and page1 take 256).
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -144,8 +144,9 @@ __device__ void issue_page(const CUtensorMap* tmap, const char* cache, int patte
   }
 }
 
-// One thread per CTA (cpa16: one warp) does everything: `depth` buffers, each refilled with the CTA's next page once the page in it
-// has landed and been held for hold_ns. first_land[cta] = ns from this CTA's entry to its first page's landing.
+// One thread per CTA (cpa16: one warp) does everything: `depth` buffers, each refilled with the CTA's next page
+// once the page in it has landed and been held for hold_ns. first_land[cta] = ns from this CTA's entry to its first
+// page's landing.
 __global__ void __launch_bounds__(32, 1) stream_pages(const __grid_constant__ CUtensorMap tmap,
                                                       const __grid_constant__ GroupMaps groups, const char* cache,
                                                       const int* page_list, Config cfg, uint64_t* first_land) {
@@ -290,8 +291,9 @@ int main(int argc, char** argv) {
 
   struct Row { int pattern, promo, ef, depth, pairs, pages, hold; };
   std::vector<Row> rows;
-  for (int pages : {62, 248}) {    // the copy mechanisms side by side (all runs of the table take evict-first)
+  for (int pages : {62, 248}) {    // --compare: the copy mechanisms side by side, all with evict-first
     for (int pattern : {kBox9, kBulk9, kCpAsync16, kHalf3, kPage1}) {
+      if (!compare_only) break;
       rows.push_back({pattern, 0, 1, 2, 0, pages, 0});
       rows.push_back({pattern, 0, 1, 3, 0, pages, 0});
       rows.push_back({pattern, 0, 1, 2, 1, pages, 1600});    // the split kernel's pairs held ~its compute
@@ -310,7 +312,7 @@ int main(int argc, char** argv) {
     rows.push_back({kBox9, 2, 1, 2, 0, pages, 0});
     rows.push_back({kBulk9, 0, 1, 2, 0, pages, 0});
     rows.push_back({kBulk9, 0, 1, 3, 0, pages, 0});
-    rows.push_back({kCpAsync16, 0, 1, 2, 0, pages, 0});
+    for (int pattern : {kCpAsync16, kHalf3, kPage1}) rows.push_back({pattern, 0, 1, 2, 0, pages, 0});
   }
   int window = 0;
   for (const Row& row : rows) {
@@ -344,9 +346,9 @@ int main(int argc, char** argv) {
     const double us = times[times.size() / 2];
     const double gbs = double(per_run) * kPageBytes / (us * 1e-6) / 1e9;
     const char* pattern_names[5] = {"box9", "bulk9", "cpa16", "half3", "page1"};
+    const bool tensor_map = row.pattern == kBox9 || row.pattern >= kHalf3;
     std::printf("%-6s %-5s %-3d %5d %5d %6d %5d %10.1f %8.0f %12.2f\n", pattern_names[row.pattern],
-                row.pattern == kBox9 || row.pattern >= kHalf3 ? promo_names[row.promo] : "-", row.ef, row.depth, row.pairs, row.pages, row.hold,
-                us, gbs,
+                tensor_map ? promo_names[row.promo] : "-", row.ef, row.depth, row.pairs, row.pages, row.hold, us, gbs,
                 first_p50[first_p50.size() / 2]);
   }
 
