@@ -283,14 +283,16 @@ def main():
                     raise SystemExit(f"{label}: variant {name} disagrees with {names[0]} (out rel-L2 {rel:.1e})")
 
     print("workload," + ",".join(f"{n}_us" for n in names) + ",anchor_us," + ",".join(f"ratio_{n}" for n in names))
-    groups, classed = {}, []
+    classed = []    # (group, query rows a KV head, ratios) per workload
     for wi, (group, label, _make, _causal, s_q, h_q) in enumerate(work):
         ratios = [times[n][wi][1] / times[n][wi][0] for n in names]
         kind = group if group != "table" else ("compute" if s_q * h_q >= 128 else "memory")
-        groups.setdefault(kind, []).append(ratios)
         classed.append((kind, s_q * h_q, ratios))
         print(f"{group}: {label}," + ",".join(f"{times[n][wi][0] * 1e6:.1f}" for n in names) +
               f",{times[names[0]][wi][1] * 1e6:.1f}," + ",".join(f"{r:.3f}" for r in ratios), flush=True)
+    groups = {}
+    for kind, _rows_per_kv, ratios in classed:
+        groups.setdefault(kind, []).append(ratios)
     for kind, rows in groups.items():
         columns = list(zip(*rows))
         print(f"# {kind} ({len(rows)} rows) geomean: " +
